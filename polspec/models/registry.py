@@ -1,0 +1,144 @@
+"""Model aliases: the built-in registry (``polspec/data/models.toml``) plus the user's file.
+
+An alias names a model (weights and tokenizer) or, under ``tok:``, a tokenizer alone. The
+user file ``$POLSPEC_HOME/models.toml`` has the same shape and wins over built-in entries.
+"""
+
+from __future__ import annotations
+
+import difflib
+import tomllib
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+from polspec.errors import PolspecError
+from polspec.paths import user_registry_file
+
+TOKENIZER_PREFIX = "tok:"
+MODEL_KEYS = {"source", "sha256", "architecture", "tokenizer_family", "chat_template", "eos_tokens", "description"}
+TOKENIZER_KEYS = {"source", "sha256", "format", "tokenizer_family", "description"}
+TOKENIZER_FORMATS = ("sentencepiece", "tiktoken-llama3")
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """One registered model.
+
+    ``source`` says where the weights come from (see :mod:`polspec.models.sources`);
+    ``sha256`` pins the GGUF bytes for ``wheel:`` and ``gguf:`` sources; ``chat_template``
+    says whether the model has one; ``eos_tokens`` are the token strings that end generation.
+    """
+
+    alias: str
+    source: str
+    architecture: str
+    tokenizer_family: str
+    chat_template: bool = False
+    eos_tokens: tuple[str, ...] = ()
+    sha256: str | None = None
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class TokenizerEntry:
+    """A tokenizer with no model, for translation work (alias ``tok:<name>``)."""
+
+    alias: str
+    source: str
+    format: str
+    tokenizer_family: str
+    sha256: str | None = None
+    description: str = ""
+
+
+@dataclass
+class Registry:
+    models: dict[str, ModelEntry] = field(default_factory=dict)
+    tokenizers: dict[str, TokenizerEntry] = field(default_factory=dict)
+
+    def model(self, alias: str) -> ModelEntry:
+        """The model entry for ``alias``; an unknown alias lists the close matches."""
+        if alias in self.models:
+            return self.models[alias]
+        raise PolspecError(_unknown("model", alias, list(self.models)))
+
+    def tokenizer(self, alias: str) -> TokenizerEntry:
+        if alias in self.tokenizers:
+            return self.tokenizers[alias]
+        raise PolspecError(_unknown("tokenizer", alias, list(self.tokenizers)))
+
+
+def _unknown(kind: str, alias: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(alias, known, n=3, cutoff=0.5)
+    hint = f"; did you mean {', '.join(close)}?" if close else f"; known: {', '.join(sorted(known))}"
+    return f"unknown {kind} alias {alias!r}{hint} (polspec models list shows them all)"
+
+
+def _check_keys(where: str, alias: str, table: dict, allowed: set[str]) -> None:
+    unknown = sorted(set(table) - allowed)
+    if unknown:
+        raise PolspecError(f"{where}: [{alias}] has unknown key {unknown[0]!r}; allowed: {', '.join(sorted(allowed))}")
+    if "source" not in table:
+        raise PolspecError(f"{where}: [{alias}] has no 'source'")
+
+
+def parse_registry(text: str, where: str) -> Registry:
+    """Parse one registry file; ``where`` names it in error messages."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as error:
+        raise PolspecError(f"{where}: {error}") from None
+    unknown = sorted(set(data) - {"models", "tokenizers"})
+    if unknown:
+        raise PolspecError(f"{where}: unknown table [{unknown[0]}]; expected [models.NAME] or [tokenizers.NAME]")
+    registry = Registry()
+    for alias, table in data.get("models", {}).items():
+        _check_keys(where, f"models.{alias}", table, MODEL_KEYS)
+        table = dict(table, eos_tokens=tuple(table.get("eos_tokens", ())))
+        table.setdefault("architecture", "")
+        table.setdefault("tokenizer_family", alias)
+        registry.models[alias] = ModelEntry(alias=alias, **table)
+    for name, table in data.get("tokenizers", {}).items():
+        _check_keys(where, f"tokenizers.{name}", table, TOKENIZER_KEYS)
+        if table.get("format") not in TOKENIZER_FORMATS:
+            raise PolspecError(f"{where}: [tokenizers.{name}] format must be one of {', '.join(TOKENIZER_FORMATS)}")
+        table.setdefault("tokenizer_family", name)
+        alias = TOKENIZER_PREFIX + name
+        registry.tokenizers[alias] = TokenizerEntry(alias=alias, **table)
+    return registry
+
+
+def load_registry(user_file: Path | None = None) -> Registry:
+    """The built-in registry with the user's file merged over it."""
+    builtin = resources.files("polspec.data").joinpath("models.toml").read_text(encoding="utf-8")
+    registry = parse_registry(builtin, "polspec/data/models.toml")
+    user_file = user_file or user_registry_file()
+    if user_file.exists():
+        user = parse_registry(user_file.read_text(encoding="utf-8"), str(user_file))
+        registry.models.update(user.models)
+        registry.tokenizers.update(user.tokenizers)
+    return registry
+
+
+def add_user_model(entry: ModelEntry, user_file: Path | None = None) -> None:
+    """Append ``entry`` to the user's registry file (used by ``polspec models import``)."""
+    user_file = user_file or user_registry_file()
+    existing = user_file.read_text(encoding="utf-8") if user_file.exists() else ""
+    if entry.alias in parse_registry(existing, str(user_file)).models:
+        raise PolspecError(f"{user_file}: alias {entry.alias!r} already exists; choose another --name")
+    lines = [
+        f'\n[models."{entry.alias}"]',
+        f"source = {_toml_string(entry.source)}",
+        f"architecture = {_toml_string(entry.architecture)}",
+        f"tokenizer_family = {_toml_string(entry.tokenizer_family)}",
+        f"chat_template = {'true' if entry.chat_template else 'false'}",
+        f"eos_tokens = [{', '.join(_toml_string(token) for token in entry.eos_tokens)}]",
+    ]
+    if entry.sha256:
+        lines.append(f"sha256 = {_toml_string(entry.sha256)}")
+    user_file.write_text(existing + "\n".join(lines) + "\n", encoding="utf-8")
+
+
+def _toml_string(value: str) -> str:
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
