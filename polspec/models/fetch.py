@@ -23,7 +23,7 @@ from pathlib import Path
 
 from polspec.errors import PolspecError
 from polspec.models.sources import WheelSource
-from polspec.paths import blobs_dir
+from polspec.settings import blobs_dir
 
 # (what is happening, units done, units in total or None when unknown)
 ProgressFn = Callable[[str, int, int | None], None]

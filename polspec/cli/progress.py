@@ -1,0 +1,24 @@
+"""A rich progress bar that library code reports to through a ``ProgressFn`` callback."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from polspec.models.fetch import ProgressFn
+
+
+@contextmanager
+def progress_bar(title: str) -> Iterator[ProgressFn]:
+    """Yield a callback that drives one bar on stderr; the bar disappears when done."""
+    columns = (TextColumn(f"[bold]{title}[/] {{task.description}}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
+        task = progress.add_task("", total=None)
+
+        def report(description: str, done: int, total: int | None) -> None:
+            progress.update(task, description=description, completed=done, total=total)
+
+        yield report
