@@ -44,12 +44,3 @@ def database_url() -> str:
     """Any SQLAlchemy URL; default ``sqlite:///$POLSPEC_HOME/polspec.db``."""
     return os.environ.get("POLSPEC_DB_URL") or f"sqlite:///{polspec_home() / 'polspec.db'}"
 
-
-def redact_url(url: str) -> str:
-    """``url`` with any password masked, for messages and reports."""
-    from sqlalchemy.engine import make_url
-
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except Exception:  # not a URL SQLAlchemy can parse: show nothing that could be a secret
-        return url.split("@")[-1]

@@ -39,9 +39,11 @@ def main() -> None:
 
 
 def _register() -> None:
-    from polspec.cli import doctor, models
+    from polspec.cli import db, doctor, generate, models
 
+    main.add_command(generate.generate)
     main.add_command(models.models)
+    main.add_command(db.db)
     main.add_command(doctor.doctor)
 
 

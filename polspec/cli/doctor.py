@@ -9,13 +9,13 @@ import sys
 import click
 
 from polspec.errors import PolspecError
-from polspec.settings import redact_url
+from polspec.store.engine import display_url
 
 
 def _redis_report(url: str) -> dict:
     import redis
 
-    report = {"url": redact_url(url), "reachable": False}
+    report = {"url": display_url(url), "reachable": False}
     try:
         client = redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=2)
         info = client.info("persistence")
@@ -30,14 +30,14 @@ def _redis_report(url: str) -> dict:
         snapshots=config.get("save") or "off",
     )
     if not report["aof"]:
-        report["warning"] = "AOF is off: a Redis restart loses queued jobs (set appendonly yes)"
+        report["warning"] = "a Redis restart loses queued jobs (set appendonly yes)"
     return report
 
 
 def _database_report(url: str) -> dict:
     from polspec.store.migrate import current_revision, head_revision
 
-    report = {"url": redact_url(url), "head": head_revision()}
+    report = {"url": display_url(url), "head": head_revision()}
     try:
         report["revision"] = current_revision(url)
     except PolspecError as error:
@@ -88,7 +88,7 @@ def _print_human(report: dict) -> None:
         ("redis", redis_report["reachable"] and redis_report.get("aof", False),
          f"{redis_report['url']}: " + (
              f"reachable, AOF {'on' if redis_report['aof'] else 'off'}"
-             + (f" ({redis_report['warning']})" if "warning" in redis_report else "")
+             + (f": {redis_report['warning']}" if "warning" in redis_report else "")
              if redis_report["reachable"] else f"unreachable ({redis_report.get('error')})")),
         ("database", db.get("up_to_date", False),
          f"{db['url']}: " + (db["error"] if "error" in db else

@@ -1,0 +1,1 @@
+"""The results database: schema (``schema``), engine set-up (``engine``) and migrations (``migrate``)."""

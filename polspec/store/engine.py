@@ -1,0 +1,148 @@
+"""Engines and sessions for the results database, set up for many concurrent writers.
+
+Any SQLAlchemy URL works (``POLSPEC_DB_URL``); the default is SQLite under ``POLSPEC_HOME``.
+On SQLite every connection gets WAL, ``synchronous=NORMAL``, a busy timeout
+(``POLSPEC_DB_BUSY_TIMEOUT_MS``, default 30000) and enforced foreign keys, and every
+transaction starts with ``BEGIN IMMEDIATE``: with a plain deferred ``BEGIN`` a transaction
+that reads and then writes fails at once with "database is locked" when another process wrote
+in between, whatever the busy timeout. Other databases are left as their driver sets them up.
+
+Errors that come from the database's surroundings (file cannot be opened, server unreachable,
+locked beyond the timeout, read-only) are raised as :class:`PolspecError` naming the URL, with
+the password hidden.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from urllib.parse import quote
+
+from sqlalchemy import URL, Engine, create_engine, event, make_url
+from sqlalchemy.engine import ExceptionContext
+from sqlalchemy.exc import ArgumentError, NoSuchModuleError, OperationalError
+from sqlalchemy.orm import Session
+
+from polspec.errors import PolspecError
+from polspec.settings import database_url
+
+DEFAULT_BUSY_TIMEOUT_MS = 30_000
+
+
+def display_url(url: str | URL | None = None) -> str:
+    """The URL as it may be shown to users: the password is replaced by ``***``."""
+    return _parse(url).render_as_string(hide_password=True)
+
+
+def busy_timeout_ms() -> int:
+    """How long a SQLite connection waits for another writer: ``POLSPEC_DB_BUSY_TIMEOUT_MS``."""
+    raw = os.environ.get("POLSPEC_DB_BUSY_TIMEOUT_MS")
+    if not raw:
+        return DEFAULT_BUSY_TIMEOUT_MS
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise PolspecError(f"POLSPEC_DB_BUSY_TIMEOUT_MS must be a whole number of milliseconds, got {raw!r}")
+    return value
+
+
+def make_engine(url: str | URL | None = None, *, readonly: bool = False) -> Engine:
+    """An engine for ``url`` (default ``POLSPEC_DB_URL``), set up as the module docstring says.
+
+    Creates the directory of a SQLite file. With ``readonly`` every transaction is read-only:
+    SQLite opens the file with ``mode=ro`` (the file must exist) and takes no write lock, so
+    long queries never hold up writers; PostgreSQL runs ``READ ONLY`` transactions.
+    """
+    parsed = _parse(url)
+    shown = parsed.render_as_string(hide_password=True)
+    sqlite = parsed.get_backend_name() == "sqlite"
+    timeout_ms = busy_timeout_ms() if sqlite else 0
+    path = sqlite_file(parsed)
+    if path is not None and not readonly:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise PolspecError(f"database {shown}: cannot create {path.parent}: {error.strerror}") from error
+    if path is not None and readonly:
+        # A URI so that SQLite itself refuses every write, whatever SQL a user sends.
+        parsed = parsed.set(database=f"file:{quote(str(path.resolve()))}", query={"mode": "ro", "uri": "true"})
+
+    options: dict[str, object] = {}
+    if not sqlite:
+        # A long-lived worker outlives server restarts and idle-connection timeouts.
+        options["pool_pre_ping"] = True
+    if readonly and parsed.get_backend_name() == "postgresql":
+        options["execution_options"] = {"postgresql_readonly": True}
+    try:
+        engine = create_engine(parsed, **options)
+    except (ImportError, NoSuchModuleError) as error:
+        raise PolspecError(f"database {shown}: no driver for it is installed ({error})") from error
+
+    @event.listens_for(engine, "handle_error")
+    def _to_polspec_error(context: ExceptionContext) -> None:
+        # PEP 249: OperationalError is the database's operation failing, not the program's
+        # logic (constraint violations are IntegrityError and stay catchable as such). SQLite
+        # also reports SQL syntax errors this way, which suits ``results sql`` as one line too.
+        if context.is_pre_ping or not isinstance(context.sqlalchemy_exception, OperationalError):
+            return
+        reason = " ".join(str(context.original_exception).split())
+        if sqlite and "locked" in reason:
+            reason += f" (busy timeout {timeout_ms} ms; POLSPEC_DB_BUSY_TIMEOUT_MS sets it)"
+        raise PolspecError(f"database {shown}: {reason}")
+
+    if sqlite:
+        _set_up_sqlite(engine, timeout_ms=timeout_ms, readonly=readonly)
+    return engine
+
+
+@contextmanager
+def session_scope(engine: Engine) -> Iterator[Session]:
+    """A session in one transaction: committed when the block ends, rolled back if it raises.
+
+    Objects stay readable after the commit (``expire_on_commit=False``).
+    """
+    with Session(engine, expire_on_commit=False) as session, session.begin():
+        yield session
+
+
+def sqlite_file(url: URL) -> Path | None:
+    """The database file of a SQLite URL; None for other databases, in-memory ones and ``file:`` URIs."""
+    database = url.database
+    if url.get_backend_name() != "sqlite" or not database or database == ":memory:" or database.startswith("file:"):
+        return None
+    return Path(database)
+
+
+def _parse(url: str | URL | None) -> URL:
+    try:
+        parsed = make_url(url if url is not None else database_url())
+    except ArgumentError as error:
+        raise PolspecError(f"not a database URL: {error}") from error
+    # A bare postgresql:// means psycopg2 to SQLAlchemy; polspec ships psycopg 3.
+    return parsed.set(drivername="postgresql+psycopg") if parsed.drivername == "postgresql" else parsed
+
+
+def _set_up_sqlite(engine: Engine, *, timeout_ms: int, readonly: bool) -> None:
+    # SQLAlchemy's documented recipe for SQLite transactions: the driver must not emit its own
+    # BEGIN (isolation_level=None), then the "begin" event emits the one we want.
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection, connection_record) -> None:
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        # The busy timeout first: switching to WAL needs a lock another process may hold.
+        cursor.execute(f"PRAGMA busy_timeout = {timeout_ms}")
+        if not readonly:
+            cursor.execute("PRAGMA journal_mode = WAL")
+        cursor.execute("PRAGMA synchronous = NORMAL")
+        cursor.execute("PRAGMA foreign_keys = ON")
+        cursor.close()
+
+    begin = "BEGIN" if readonly else "BEGIN IMMEDIATE"
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(connection) -> None:
+        connection.exec_driver_sql(begin)

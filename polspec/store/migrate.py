@@ -1,0 +1,169 @@
+"""Schema migrations, run from code: no ``alembic.ini`` is needed at run time.
+
+The Alembic environment and revisions ship inside the package (``polspec/migrations/``).
+Commands call :func:`ensure_schema`, which upgrades an out-of-date database; the worker calls
+:func:`require_current_schema` instead and refuses to run on an old schema, so that a worker
+never changes a database under other running workers.
+
+Only one process migrates a database at a time: SQLite takes an ``flock`` on a lock file next
+to the database file, PostgreSQL a transaction-scoped advisory lock. A migration runs in one
+transaction, so it applies completely or not at all, and the revision is read again under the
+lock, so a process that waited finds the work done.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import URL, Connection, text
+
+from polspec.errors import PolspecError
+from polspec.store.engine import display_url, make_engine, sqlite_file
+
+# Any fixed 64-bit number: PostgreSQL advisory locks are keyed by integers.
+_PG_LOCK_KEY = int.from_bytes(hashlib.sha256(b"polspec schema migration").digest()[:8], "big", signed=True)
+
+
+def alembic_config(connection: Connection | None = None) -> Config:
+    """The Alembic configuration; ``env.py`` migrates ``connection`` when one is given."""
+    config = Config()
+    config.set_main_option("script_location", "polspec:migrations")
+    config.attributes["connection"] = connection
+    return config
+
+
+def head_revision() -> str:
+    """The newest revision this version of polspec knows."""
+    head = ScriptDirectory.from_config(alembic_config()).get_current_head()
+    assert head is not None, "polspec ships at least one revision"
+    return head
+
+
+def current_revision(url: str | None = None) -> str | None:
+    """The database's revision; None for an empty database."""
+    engine = make_engine(url)
+    try:
+        with engine.connect() as connection:
+            return MigrationContext.configure(connection).get_current_revision()
+    finally:
+        engine.dispose()
+
+
+def upgrade(url: str | None = None, revision: str = "head") -> None:
+    """Upgrade the database to ``revision``; an up-to-date database is left as it is."""
+    with migrating(url) as connection:
+        _require_known(connection, url)
+        command.upgrade(alembic_config(connection), revision)
+
+
+def downgrade(url: str | None, revision: str) -> None:
+    """Downgrade the database to ``revision`` (``"base"`` drops every table)."""
+    with migrating(url) as connection:
+        _require_known(connection, url)
+        command.downgrade(alembic_config(connection), revision)
+
+
+def ensure_schema(url: str | None = None) -> None:
+    """Upgrade the database to the head revision if it is behind (commands call this first)."""
+    if current_revision(url) != head_revision():
+        upgrade(url)
+
+
+def require_current_schema(url: str | None = None) -> None:
+    """Raise :class:`PolspecError` unless the database is at the head revision."""
+    current, head = current_revision(url), head_revision()
+    if current == head:
+        return
+    if current is not None and not _is_known(current):
+        raise _unknown_revision(current, url)
+    raise PolspecError(
+        f"database {display_url(url)} is at revision {current or 'none (empty)'}, "
+        f"polspec needs {head}: run polspec db upgrade"
+    )
+
+
+@contextmanager
+def migrating(url: str | None = None) -> Iterator[Connection]:
+    """A connection inside one transaction, held by one migrating process at a time.
+
+    The transaction commits when the block ends and rolls back if it raises. On SQLite,
+    foreign keys are off meanwhile (checked before the commit): Alembic's batch mode copies a
+    table and drops the old one, and with foreign keys on, that drop would delete every
+    row that references the table through ``ON DELETE CASCADE``.
+    """
+    engine = make_engine(url)
+    sqlite = engine.dialect.name == "sqlite"
+    try:
+        with _file_lock(engine.url), engine.connect() as connection:
+            if sqlite:
+                _sqlite_pragma_outside_transaction(connection, "PRAGMA foreign_keys = OFF")
+            try:
+                with connection.begin():
+                    if engine.dialect.name == "postgresql":
+                        connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _PG_LOCK_KEY})
+                    yield connection
+                    if sqlite:
+                        _check_foreign_keys(connection, url)
+            finally:
+                if sqlite:
+                    _sqlite_pragma_outside_transaction(connection, "PRAGMA foreign_keys = ON")
+    finally:
+        engine.dispose()
+
+
+def _file_lock(url: URL) -> AbstractContextManager[None]:
+    # Next to the database file rather than under POLSPEC_HOME: two processes with different
+    # homes that share a database must still take the same lock.
+    path = sqlite_file(url)
+    return nullcontext() if path is None else _flock(path.with_name(path.name + ".migrate-lock"))
+
+
+@contextmanager
+def _flock(path: Path) -> Iterator[None]:
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _sqlite_pragma_outside_transaction(connection: Connection, pragma: str) -> None:
+    # SQLite ignores PRAGMA foreign_keys inside a transaction, and any statement run through
+    # the Connection would begin one: go to the driver connection directly.
+    connection.connection.driver_connection.execute(pragma)
+
+
+def _check_foreign_keys(connection: Connection, url: str | None) -> None:
+    violations = connection.exec_driver_sql("PRAGMA foreign_key_check").fetchall()
+    if violations:
+        raise PolspecError(
+            f"database {display_url(url)}: migration left {len(violations)} rows with broken "
+            f"foreign keys (first: {tuple(violations[0])}); nothing was changed"
+        )
+
+
+def _is_known(revision: str) -> bool:
+    script = ScriptDirectory.from_config(alembic_config())
+    return any(known.revision == revision for known in script.walk_revisions())
+
+
+def _require_known(connection: Connection, url: str | None) -> None:
+    current = MigrationContext.configure(connection).get_current_revision()
+    if current is not None and not _is_known(current):
+        raise _unknown_revision(current, url)
+
+
+def _unknown_revision(revision: str, url: str | None) -> PolspecError:
+    return PolspecError(
+        f"database {display_url(url)} is at revision {revision}, which this polspec does not know "
+        "(a newer polspec upgraded it): upgrade polspec"
+    )

@@ -1,0 +1,397 @@
+"""The results database: migrations, SQLite set-up, constraints and ``polspec db``.
+
+Runs on a real SQLite file, and on PostgreSQL too when ``POLSPEC_TEST_PG_URL`` names a server
+(each test gets a fresh database there, dropped afterwards).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import time
+import uuid
+from collections.abc import Iterator
+from datetime import UTC
+from pathlib import Path
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from click.testing import CliRunner
+from sqlalchemy import Engine, create_engine, func, inspect, make_url, select, text
+from sqlalchemy.exc import DBAPIError, IntegrityError
+from sqlalchemy.orm import Session
+
+from polspec.cli.db import db
+from polspec.errors import PolspecError
+from polspec.store.engine import display_url, make_engine, session_scope
+from polspec.store.migrate import (
+    alembic_config,
+    current_revision,
+    downgrade,
+    ensure_schema,
+    head_revision,
+    require_current_schema,
+    upgrade,
+)
+from polspec.store.schema import Batch, Item, Result, metadata
+
+TABLES = {"batches", "items", "results", "alembic_version"}
+
+
+def sqlite_url(directory: Path) -> str:
+    return f"sqlite:///{directory / 'data' / 'polspec.db'}"
+
+
+@pytest.fixture
+def pg_url() -> Iterator[str]:
+    base = os.environ.get("POLSPEC_TEST_PG_URL")
+    if not base:
+        pytest.skip("POLSPEC_TEST_PG_URL is not set")
+    name = f"polspec_test_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(base, isolation_level="AUTOCOMMIT")
+    with admin.connect() as connection:
+        connection.exec_driver_sql(f'CREATE DATABASE "{name}"')
+    try:
+        yield make_url(base).set(database=name).render_as_string(hide_password=False)
+    finally:
+        with admin.connect() as connection:
+            connection.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        admin.dispose()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "sqlite":
+        return sqlite_url(tmp_path)
+    return request.getfixturevalue("pg_url")
+
+
+@pytest.fixture
+def engine(db_url: str) -> Iterator[Engine]:
+    upgrade(db_url)
+    engine = make_engine(db_url)
+    yield engine
+    engine.dispose()
+
+
+def new_batch(session: Session, name: str | None = None) -> Batch:
+    batch = Batch(kind="generate", name=name, spec={"target": "gemma3-270m", "k": 2})
+    session.add(batch)
+    session.flush()
+    return batch
+
+
+def new_item(session: Session, batch: Batch, key: str) -> Item:
+    item = Item(batch_id=batch.id, item_key=key, prompt="Napisz wiersz o Wiśle.", params={"max_tokens": 16})
+    session.add(item)
+    session.flush()
+    return item
+
+
+def new_result(item: Item, **energy: object) -> Result:
+    energy = energy or {"energy_joules": None, "energy_unavailable_reason": "no power meter on Linux CPU"}
+    return Result(
+        item_id=item.id,
+        text="Płynie Wisła płynie…",
+        token_ids=[1, 2, 3],
+        metrics={"acceptance_rate": 0.5, "rounds": 3},
+        prompt_tokens=7,
+        generated_tokens=3,
+        decode_tokens_per_s=12.5,
+        acceptance_rate=0.5,
+        backend="mlx-cpu",
+        device="cpu",
+        versions={"polspec": "0.1.0"},
+        timings={"decode_s": 0.24},
+        **energy,
+    )
+
+
+def table_names(url: str) -> set[str]:
+    engine = make_engine(url)
+    try:
+        with engine.connect() as connection:
+            return set(inspect(connection).get_table_names())
+    finally:
+        engine.dispose()
+
+
+def schema_differences(url: str) -> list:
+    engine = make_engine(url)
+    try:
+        with engine.connect() as connection:
+            context = MigrationContext.configure(connection, opts={"compare_type": True})
+            return compare_metadata(context, metadata)
+    finally:
+        engine.dispose()
+
+
+# --- migrations ---------------------------------------------------------------------------
+
+
+def test_upgrade_from_empty_creates_the_tables_at_head(db_url: str) -> None:
+    assert current_revision(db_url) is None
+    upgrade(db_url)
+    assert current_revision(db_url) == head_revision()
+    assert TABLES <= table_names(db_url)
+    assert schema_differences(db_url) == []
+
+
+def test_upgrade_from_every_earlier_revision_matches_the_models(db_url: str) -> None:
+    script = ScriptDirectory.from_config(alembic_config())
+    revisions = [revision.revision for revision in reversed(list(script.walk_revisions()))]
+    for start in revisions:
+        downgrade(db_url, "base")
+        upgrade(db_url, start)
+        assert current_revision(db_url) == start
+        upgrade(db_url)
+        assert current_revision(db_url) == head_revision()
+        assert schema_differences(db_url) == []
+
+
+def test_downgrade_to_base_then_upgrade_round_trip(db_url: str) -> None:
+    upgrade(db_url)
+    engine = make_engine(db_url)
+    with session_scope(engine) as session:
+        new_item(session, new_batch(session), "a")
+    engine.dispose()
+
+    downgrade(db_url, "base")
+    assert current_revision(db_url) is None
+    assert table_names(db_url) & TABLES <= {"alembic_version"}
+
+    upgrade(db_url)
+    assert current_revision(db_url) == head_revision()
+    engine = make_engine(db_url)
+    with session_scope(engine) as session:
+        assert session.scalar(select(func.count()).select_from(Item)) == 0
+    engine.dispose()
+
+
+def _ensure(url: str) -> str | None:
+    ensure_schema(url)
+    return current_revision(url)
+
+
+def test_concurrent_ensure_schema_migrates_once(db_url: str) -> None:
+    with multiprocessing.get_context("spawn").Pool(4) as pool:
+        revisions = pool.map(_ensure, [db_url] * 4)
+    assert revisions == [head_revision()] * 4
+
+
+def test_require_current_schema_refuses_an_out_of_date_database(db_url: str) -> None:
+    shown = display_url(db_url)
+    with pytest.raises(PolspecError, match="run polspec db upgrade") as error:
+        require_current_schema(db_url)
+    assert shown in str(error.value) and "\n" not in str(error.value)
+
+    ensure_schema(db_url)
+    require_current_schema(db_url)
+
+
+def test_a_revision_from_a_newer_polspec_is_refused(engine: Engine) -> None:
+    with engine.begin() as connection:
+        connection.execute(text("UPDATE alembic_version SET version_num = 'ffff'"))
+    url = engine.url.render_as_string(hide_password=False)
+    for action in (require_current_schema, upgrade, ensure_schema):
+        with pytest.raises(PolspecError, match="revision ffff, which this polspec does not know"):
+            action(url)
+
+
+# --- SQLite set-up ------------------------------------------------------------------------
+
+
+def test_sqlite_pragmas_are_set(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = make_engine(sqlite_url(tmp_path))
+    with engine.connect() as connection:
+        pragma = lambda name: connection.exec_driver_sql(f"PRAGMA {name}").scalar()  # noqa: E731
+        assert pragma("journal_mode") == "wal"
+        assert pragma("foreign_keys") == 1
+        assert pragma("busy_timeout") == 30000
+        assert pragma("synchronous") == 1  # NORMAL
+    engine.dispose()
+
+    monkeypatch.setenv("POLSPEC_DB_BUSY_TIMEOUT_MS", "1234")
+    engine = make_engine(sqlite_url(tmp_path))
+    with engine.connect() as connection:
+        assert connection.exec_driver_sql("PRAGMA busy_timeout").scalar() == 1234
+    engine.dispose()
+
+    monkeypatch.setenv("POLSPEC_DB_BUSY_TIMEOUT_MS", "soon")
+    with pytest.raises(PolspecError, match="POLSPEC_DB_BUSY_TIMEOUT_MS"):
+        make_engine(sqlite_url(tmp_path))
+
+
+def test_sqlite_transactions_take_the_write_lock_at_begin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    url = sqlite_url(tmp_path)
+    upgrade(url)
+    monkeypatch.setenv("POLSPEC_DB_BUSY_TIMEOUT_MS", "100")
+    first, second, reader = make_engine(url), make_engine(url), make_engine(url, readonly=True)
+    with first.connect() as holder:
+        # A read alone: under a deferred BEGIN this would take no write lock.
+        holder.execute(select(func.count()).select_from(Batch))
+        with second.connect() as other, pytest.raises(PolspecError, match=r"locked \(busy timeout 100 ms") as error:
+            other.execute(select(func.count()).select_from(Batch))
+        assert url in str(error.value)
+        # Read-only connections do not wait for writers.
+        with reader.connect() as connection:
+            assert connection.scalar(select(func.count()).select_from(Batch)) == 0
+    for engine in (first, second, reader):
+        engine.dispose()
+
+
+def _read_then_write(url: str, rounds: int) -> None:
+    engine = make_engine(url)
+    for _ in range(rounds):
+        with session_scope(engine) as session:
+            count = session.scalar(select(func.count()).select_from(Item))
+            time.sleep(0.005)  # widen the window in which another writer could step in
+            session.add(Item(batch_id=1, item_key=str(count), prompt="x", params={}))
+    engine.dispose()
+
+
+def test_concurrent_read_then_write_transactions_all_complete(tmp_path: Path) -> None:
+    url = sqlite_url(tmp_path)
+    upgrade(url)
+    engine = make_engine(url)
+    with session_scope(engine) as session:
+        assert new_batch(session).id == 1
+
+    workers, rounds = 4, 10
+    with multiprocessing.get_context("spawn").Pool(workers) as pool:
+        pool.starmap(_read_then_write, [(url, rounds)] * workers)
+
+    # Serialised transactions: every read saw every earlier write, so the keys are 0..n-1.
+    with session_scope(engine) as session:
+        keys = session.scalars(select(Item.item_key)).all()
+    assert sorted(keys, key=int) == [str(n) for n in range(workers * rounds)]
+    engine.dispose()
+
+
+def test_unwritable_data_directory_is_a_one_line_error(tmp_path: Path) -> None:
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    url = f"sqlite:///{blocker / 'polspec.db'}"
+    with pytest.raises(PolspecError, match="cannot create") as error:
+        make_engine(url)
+    assert url in str(error.value)
+
+
+def test_unreachable_server_error_names_the_url_without_password() -> None:
+    url = "postgresql+psycopg://polspec:hunter2@127.0.0.1:1/polspec"
+    pytest.importorskip("psycopg")
+    with pytest.raises(PolspecError) as error:
+        current_revision(url)
+    message = str(error.value)
+    assert "postgresql+psycopg://polspec:***@127.0.0.1:1/polspec" in message
+    assert "hunter2" not in message and "\n" not in message
+
+
+# --- schema contract ----------------------------------------------------------------------
+
+
+def test_rows_round_trip(engine: Engine) -> None:
+    with session_scope(engine) as session:
+        item = new_item(session, new_batch(session, name="wieczór"), "a")
+        session.add(new_result(item, energy_joules=1.5, energy_source="powermetrics"))
+    with session_scope(engine) as session:
+        item = session.scalars(select(Item).where(Item.messages.is_(None))).one()
+        assert item.status == "queued" and item.attempts == 0
+        assert item.batch.spec == {"target": "gemma3-270m", "k": 2}
+        assert item.result is not None and item.result.text == "Płynie Wisła płynie…"
+        assert item.result.token_ids == [1, 2, 3]
+        assert item.created_at.tzinfo == UTC and item.result.created_at.tzinfo == UTC
+
+
+def test_item_key_is_unique_within_a_batch(engine: Engine) -> None:
+    with session_scope(engine) as session:
+        first, second = new_batch(session, "first"), new_batch(session, "second")
+        new_item(session, first, "a")
+        new_item(session, second, "a")
+    with pytest.raises(IntegrityError), session_scope(engine) as session:
+        new_item(session, session.get(Batch, first.id), "a")
+
+
+def test_batch_name_is_unique_but_optional(engine: Engine) -> None:
+    with session_scope(engine) as session:
+        new_batch(session)
+        new_batch(session)
+        new_batch(session, "nightly")
+    with pytest.raises(IntegrityError), session_scope(engine) as session:
+        new_batch(session, "nightly")
+
+
+def test_one_result_per_item(engine: Engine) -> None:
+    with session_scope(engine) as session:
+        item = new_item(session, new_batch(session), "a")
+        session.add(new_result(item))
+    with pytest.raises(IntegrityError), session_scope(engine) as session:
+        session.add(new_result(item))
+
+
+def test_energy_is_measured_or_explained(engine: Engine) -> None:
+    with session_scope(engine) as session:
+        item = new_item(session, new_batch(session), "a")
+    with pytest.raises(IntegrityError), session_scope(engine) as session:
+        session.add(new_result(item, energy_joules=None, energy_unavailable_reason=None))
+    with pytest.raises(IntegrityError), session_scope(engine) as session:
+        session.add(new_result(item, energy_joules=2.0, energy_source=None))
+
+
+def test_item_needs_an_input_and_a_known_status(engine: Engine) -> None:
+    with session_scope(engine) as session:
+        batch = new_batch(session)
+    with pytest.raises(IntegrityError), session_scope(engine) as session:
+        session.add(Item(batch_id=batch.id, item_key="a", params={}))
+    with pytest.raises(IntegrityError), session_scope(engine) as session:
+        session.add(Item(batch_id=batch.id, item_key="a", prompt="x", params={}, status="lost"))
+    with session_scope(engine) as session:
+        session.add(Item(batch_id=batch.id, item_key="a", messages=[{"role": "user", "content": "Cześć"}], params={}))
+
+
+def test_foreign_keys_are_enforced_and_deletes_cascade(engine: Engine) -> None:
+    with pytest.raises(IntegrityError), session_scope(engine) as session:
+        session.add(Item(batch_id=999, item_key="a", prompt="x", params={}))
+    with session_scope(engine) as session:
+        batch = new_batch(session)
+        session.add(new_result(new_item(session, batch, "a")))
+    with engine.begin() as connection:
+        connection.execute(text("DELETE FROM batches"))
+    with session_scope(engine) as session:
+        assert session.scalar(select(func.count()).select_from(Item)) == 0
+        assert session.scalar(select(func.count()).select_from(Result)) == 0
+
+
+def test_readonly_engine_refuses_writes(engine: Engine) -> None:
+    url = engine.url.render_as_string(hide_password=False)
+    reader = make_engine(url, readonly=True)
+    with reader.connect() as connection:
+        assert connection.scalar(select(func.count()).select_from(Batch)) == 0
+    with pytest.raises((PolspecError, DBAPIError), match="read-?only"), reader.begin() as connection:
+        connection.execute(text("DELETE FROM batches"))
+    reader.dispose()
+
+
+# --- polspec db ---------------------------------------------------------------------------
+
+
+def test_cli_upgrade_and_current(db_url: str) -> None:
+    runner = CliRunner()
+    env = {"POLSPEC_DB_URL": db_url}
+    shown = display_url(db_url)
+
+    before = json.loads(runner.invoke(db, ["current", "--json"], env=env, catch_exceptions=False).output)
+    assert before == {"url": shown, "current": None, "head": head_revision(), "up_to_date": False}
+
+    result = runner.invoke(db, ["upgrade"], env=env, catch_exceptions=False)
+    assert result.exit_code == 0
+    assert f"upgraded from revision none (empty) to {head_revision()}" in result.output
+
+    after = json.loads(runner.invoke(db, ["current", "--json"], env=env, catch_exceptions=False).output)
+    assert after == {"url": shown, "current": head_revision(), "head": head_revision(), "up_to_date": True}
+
+    again = runner.invoke(db, ["upgrade"], env=env, catch_exceptions=False)
+    assert again.exit_code == 0 and "already at revision" in again.output
