@@ -1,0 +1,86 @@
+"""The alias registry and its sources: parsing, user overrides, dir: and hf: sources."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from polspec.errors import PolspecError
+from polspec.models.loader import load_model
+from polspec.models.registry import load_registry
+from polspec.models.sources import DirSource, GgufSource, HfSource, WheelPart, WheelSource, parse_source
+
+
+def test_parse_every_scheme(tmp_path):
+    assert parse_source("hf:speakleash/Bielik-11B-v2.3-Instruct") == HfSource("speakleash/Bielik-11B-v2.3-Instruct")
+    assert parse_source(f"dir:{tmp_path}") == DirSource(tmp_path)
+    assert parse_source("gguf:/models/x.gguf") == GgufSource(Path("/models/x.gguf"))
+    two = parse_source("wheel:a-b==1.0#a_b/data/x.part00+c==2#c/data/x.part01")
+    assert two == WheelSource((WheelPart("a-b", "1.0", "a_b/data/x.part00"), WheelPart("c", "2", "c/data/x.part01")))
+    assert two.filename == "x"
+
+
+@pytest.mark.parametrize("text, message", [
+    ("speakleash/Bielik", "must look like hf:REPO"),
+    ("s3:bucket/key", "unknown scheme 's3'"),
+    ("wheel:pkg#path", "part 'pkg#path' is not PKG==VERSION#PATH"),
+    ("wheel:pkg==1.0", "part 'pkg==1.0' is not PKG==VERSION#PATH"),
+])
+def test_malformed_sources(text, message):
+    with pytest.raises(PolspecError, match=message):
+        parse_source(text)
+
+
+def test_every_offline_model_pins_its_bytes():
+    registry = load_registry()
+    for alias in ("smollm2-135m", "gemma3-270m", "qwen2.5-coder-1.5b"):
+        entry = registry.model(alias)
+        assert isinstance(parse_source(entry.source), WheelSource)
+        assert entry.sha256 and len(entry.sha256) == 64
+
+
+def test_user_file_adds_and_overrides(isolated_home):
+    isolated_home.mkdir(parents=True)
+    (isolated_home / "models.toml").write_text(
+        '[models.gemma3-270m]\nsource = "gguf:/elsewhere/gemma.gguf"\narchitecture = "gemma3"\n'
+        '[models.mine]\nsource = "dir:/models/mine"\n'
+    )
+    registry = load_registry()
+    assert registry.model("gemma3-270m").source == "gguf:/elsewhere/gemma.gguf"
+    assert registry.model("mine").tokenizer_family == "mine"
+    assert registry.model("smollm2-135m").sha256  # built-ins stay
+
+
+def test_dir_source_loads_a_model_directory(isolated_home, smollm2):
+    isolated_home.mkdir(parents=True)
+    (isolated_home / "models.toml").write_text(
+        f'[models.smol-dir]\nsource = "dir:{smollm2.path}"\narchitecture = "llama"\neos_tokens = ["<|im_end|>"]\n'
+    )
+    loaded = load_model("smol-dir")
+    assert loaded.path == smollm2.path and loaded.dtype == "float32"
+    assert smollm2.tokenizer.convert_tokens_to_ids("<|im_end|>") in loaded.tokenizer.eos_token_ids
+
+
+def test_dir_source_without_a_model(isolated_home, tmp_path):
+    isolated_home.mkdir(parents=True)
+    (isolated_home / "models.toml").write_text(f'[models.empty]\nsource = "dir:{tmp_path}"\n')
+    with pytest.raises(PolspecError, match=f"{tmp_path}: not a model directory"):
+        load_model("empty")
+
+
+def test_offline_hub_is_a_one_line_error_naming_the_repo(isolated_home):
+    # huggingface_hub reads HF_HUB_OFFLINE when imported, hence a fresh process.
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(isolated_home / "hf")}
+    result = subprocess.run(
+        [sys.executable, "-c", "from polspec.cli import main; main(['models', 'fetch', 'bielik-11b'])"],
+        capture_output=True, text=True, env=env,
+    )
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        "polspec: error: cannot get hf:speakleash/Bielik-11B-v2.3-Instruct: the model hub is offline or "
+        "unreachable and the model is not in the local hub cache (LocalEntryNotFoundError)"
+    ]
