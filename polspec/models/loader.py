@@ -42,6 +42,11 @@ class LoadedModel:
     dtype: str
     load_seconds: float
 
+    @property
+    def context_length(self) -> int | None:
+        """The longest sequence the model was trained for, when its config says."""
+        return json.loads((self.path / "config.json").read_text()).get("max_position_embeddings")
+
 
 def file_sha256(path: Path) -> str:
     """sha256 of a file, remembered per (path, size, mtime) so large files are hashed once."""

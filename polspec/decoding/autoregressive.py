@@ -1,0 +1,58 @@
+"""Target-only decoding: the baseline every speculative configuration is measured against."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from polspec import backend  # noqa: F401  (before mlx: the Linux BLAS fix)
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
+from polspec.decoding.kv import prefill
+from polspec.decoding.metrics import DecodeMetrics
+from polspec.decoding.params import DecodingParams
+from polspec.decoding.sampling import token_sampler
+from polspec.models.loader import LoadedModel
+
+
+@dataclass(frozen=True)
+class Commit:
+    """Tokens committed in one round; the first ``drafted`` of them were proposed by the draft."""
+
+    tokens: list[int]
+    drafted: int = 0
+
+
+def generate_autoregressive(
+    target: LoadedModel, prompt: list[int], params: DecodingParams, metrics: DecodeMetrics
+) -> Iterator[Commit]:
+    """Yield the target's tokens one at a time until EOS or ``params.max_tokens``.
+
+    The last prompt token is fed with the first decode step, exactly as the speculative
+    decoder does, so prefill and decode times compare one to one.
+    """
+    sample = token_sampler(params)
+    eos = set(target.tokenizer.eos_token_ids)
+    cache = make_prompt_cache(target.model)
+    metrics.prompt_tokens = len(prompt)
+    start = time.perf_counter()
+    prefill(target.model, cache, prompt[:-1])
+    metrics.prefill_s = time.perf_counter() - start
+    token = prompt[-1]
+    metrics.finish_reason = "length"
+    start = time.perf_counter()
+    while metrics.generated_tokens < params.max_tokens:
+        logits = target.model(mx.array([[token]]), cache=cache)[0, -1]
+        token = sample(logits).item()
+        metrics.rounds += 1
+        metrics.decode_s = time.perf_counter() - start
+        if token in eos:
+            metrics.finish_reason = "stop"
+            break
+        metrics.generated_tokens += 1
+        yield Commit([token])
+    metrics.decode_s = time.perf_counter() - start
+    metrics.peak_memory_gb = mx.get_peak_memory() / 1e9

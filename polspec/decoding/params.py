@@ -1,0 +1,68 @@
+"""Decoding parameters: explicit data, validated at the edge."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from polspec.decoding.translate import STRATEGIES
+from polspec.errors import PolspecError
+
+K_POLICIES = ("heuristic", "confidence")
+MAX_K = 16
+
+
+@dataclass(frozen=True)
+class DecodingParams:
+    """How to decode one prompt.
+
+    ``k`` is the draft length (a number, or a policy name: ``heuristic`` adapts it from
+    acceptance, ``confidence`` stops drafting when the draft's top probability falls below
+    ``confidence``); ``strategy`` and ``prefix`` choose the translation between tokenizers;
+    ``temperature`` 0 is greedy. Target candidates per round are capped at ``2 * k_max + 2``.
+    """
+
+    max_tokens: int = 128
+    k: int | str = 2
+    strategy: str = "aligned"
+    prefix: int = 5
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    confidence: float = 0.4
+    k_max: int = 8
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise PolspecError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if isinstance(self.k, str):
+            if self.k not in K_POLICIES:
+                raise PolspecError(f"k must be a number from 1 to {MAX_K} or one of {', '.join(K_POLICIES)}, got {self.k!r}")
+        elif not 1 <= self.k <= MAX_K:
+            raise PolspecError(f"k must be between 1 and {MAX_K}, got {self.k}")
+        if not 1 <= self.k_max <= MAX_K:
+            raise PolspecError(f"k_max must be between 1 and {MAX_K}, got {self.k_max}")
+        if self.strategy not in STRATEGIES:
+            raise PolspecError(f"unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}")
+        if self.prefix < 0:
+            raise PolspecError(f"prefix must be 0 or more, got {self.prefix}")
+        if self.temperature < 0:
+            raise PolspecError(f"temperature must be 0 or more, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise PolspecError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise PolspecError(f"top_k must be 0 (off) or more, got {self.top_k}")
+        if not 0 < self.confidence < 1:
+            raise PolspecError(f"confidence must be in (0, 1), got {self.confidence}")
+
+    @property
+    def initial_k(self) -> int:
+        return self.k if isinstance(self.k, int) else 2
+
+    @property
+    def candidate_cap(self) -> int:
+        """Most target candidates verified in one round: bounds the verification cost."""
+        return 2 * (self.k if isinstance(self.k, int) else self.k_max) + 2
+
+    def as_dict(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,247 @@
+"""Translating token sequences between two tokenizers, byte-exactly.
+
+Every token of a fast tokenizer stands for a fixed string of bytes (its *raw bytes*: a
+byte-level BPE piece mapped back to bytes, or a SentencePiece piece with ``▁`` as a space
+and ``<0xNN>`` as a byte). Working on raw bytes instead of ``decode`` keeps what decoding
+loses: the bytes of a Polish letter split across two tokens, and the leading space that a
+SentencePiece decoder strips.
+
+Strategies for turning a draft's proposal into target candidates (``STRATEGIES``):
+
+- ``none``: draft ids used as target ids (the study's no-translation baseline);
+- ``naive``: decode the chunk, encode it;
+- ``context``: the study's rule: decode the last ``p`` committed target tokens plus the chunk,
+  encode, strip ``p`` tokens by count, unchecked;
+- ``aligned`` (default): raw bytes of the chunk, cut to whole UTF-8 characters and to the last
+  word boundary (the trailing partial word waits for the next round, since completing it can
+  change how it is tokenized), encoded after a window of committed target text and aligned
+  by bytes rather than by count. A round whose window re-encodes to different ids is a
+  boundary miss.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+
+from transformers import PreTrainedTokenizerFast
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+STRATEGIES = ("aligned", "context", "naive", "none")
+_BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+_WORD_START = re.compile(rb"[ \t\n\r]")
+_PUNCTUATION_END = re.compile(rb"[!-/:-@\[-`{-~]$")
+
+
+@dataclass(frozen=True)
+class TokenBytes:
+    """The raw bytes of every token of one tokenizer (None for special tokens)."""
+
+    tokenizer: PreTrainedTokenizerFast
+    raw: tuple[bytes | None, ...]
+
+    def text(self, ids: list[int]) -> bytes:
+        """Concatenated raw bytes of ``ids``; special tokens contribute nothing."""
+        return b"".join(self.raw[i] or b"" for i in ids)
+
+    def is_special(self, token: int) -> bool:
+        return self.raw[token] is None
+
+    def encode(self, text: bytes) -> list[int]:
+        """Token ids of ``text`` (whole UTF-8 characters), with no special tokens added."""
+        return self.tokenizer.encode(text.decode("utf-8"), add_special_tokens=False)
+
+
+@lru_cache(maxsize=16)
+def token_bytes(tokenizer: PreTrainedTokenizerFast) -> TokenBytes:
+    """Build the raw-bytes table of a fast tokenizer (cached per tokenizer object)."""
+    size = max(len(tokenizer), max(tokenizer.get_vocab().values()) + 1)
+    pieces = tokenizer.convert_ids_to_tokens(list(range(size)))
+    special = {index for index, token in tokenizer.added_tokens_decoder.items() if token.special}
+    byte_level = type(tokenizer.backend_tokenizer.decoder).__name__ == "ByteLevel"
+    decoder = {char: byte for byte, char in bytes_to_unicode().items()}
+    raw: list[bytes | None] = []
+    for index, piece in enumerate(pieces):
+        if piece is None or index in special:
+            raw.append(None)
+        elif byte_level:
+            raw.append(bytes(decoder[c] for c in piece) if all(c in decoder for c in piece) else piece.encode())
+        elif match := _BYTE_PIECE.match(piece):
+            raw.append(bytes([int(match.group(1), 16)]))
+        else:
+            raw.append(piece.replace("\u2581", " ").encode())
+    return TokenBytes(tokenizer, tuple(raw))
+
+
+def complete_utf8(data: bytes) -> bytes:
+    """``data`` without a trailing incomplete UTF-8 character."""
+    for cut in range(1, min(4, len(data)) + 1):
+        lead = data[-cut]
+        if lead < 0x80:  # ASCII: everything up to here is complete
+            return data
+        if lead >= 0xC0:  # the lead byte of the last character
+            needed = 2 if lead < 0xE0 else 3 if lead < 0xF0 else 4
+            return data if cut >= needed else data[:-cut]
+    return data
+
+
+def before_partial_word(data: bytes) -> bytes:
+    """``data`` cut before its trailing word: the part that cannot change when text follows."""
+    starts = [m.start() for m in _WORD_START.finditer(data)]
+    return data[: starts[-1]] if starts else b""
+
+
+def _cumulative(table: TokenBytes, ids: list[int]) -> list[int]:
+    ends, total = [0], 0
+    for token in ids:
+        total += len(table.raw[token] or b"")
+        ends.append(total)
+    return ends
+
+
+def encode_after(table: TokenBytes, context: bytes, text: bytes) -> tuple[list[int], list[int]] | None:
+    """Tokenize ``text`` as the tokenizer would right after ``context``.
+
+    Returns ``(context_ids, text_ids)`` with raw bytes equal to ``context`` and ``text``
+    exactly, or None when some token spans the boundary between the two (or the tokenizer
+    cannot represent the text byte for byte). A SentencePiece dummy prefix added in front
+    of the context is not part of ``context_ids``.
+    """
+    full = context + text
+    try:
+        ids = table.encode(full)
+    except UnicodeDecodeError:  # a context window that starts inside a character
+        return None
+    ends = _cumulative(table, ids)
+    offset = ends[-1] - len(full)
+    if offset < 0 or table.text(ids)[offset:] != full:
+        return None
+    start = ends.index(offset) if offset in ends else 0
+    boundary = offset + len(context)
+    if boundary not in ends:
+        return None
+    split = ends.index(boundary)
+    return ids[start:split], ids[split:]
+
+
+def extend_tokens(table: TokenBytes, ids: list[int], new: bytes, window: int) -> tuple[int, list[int]]:
+    """Re-tokenize the end of ``ids`` with ``new`` bytes appended.
+
+    Returns ``(keep, tail)``: the new sequence is ``ids[:keep] + tail``, whose raw bytes are
+    those of ``ids`` followed by ``new``. The last ``window`` tokens (extended back to a
+    word start) are re-encoded with the new text, so a token that now merges differently
+    is replaced rather than kept.
+    """
+    start = window_start(table, ids, window)
+    for context_start in (start, len(ids)):
+        encoded = encode_after(table, table.text(ids[context_start:]), new)
+        if encoded is not None:
+            context_ids, tail = encoded
+            same = _common_prefix(context_ids, ids[context_start:])
+            return context_start + same, context_ids[same:] + tail
+    return len(ids), table.encode(new)
+
+
+def window_start(table: TokenBytes, ids: list[int], window: int) -> int:
+    """Start of a window of about ``window`` tokens, moved back to a token that starts a word."""
+    start = max(0, len(ids) - window)
+    for index in range(start, max(-1, start - 16), -1):
+        raw = table.raw[ids[index]] if index < len(ids) else None
+        if raw and _WORD_START.match(raw[:1]):
+            return index
+    return start
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+@dataclass(frozen=True)
+class Translation:
+    """Target candidates for one round and how they were obtained."""
+
+    candidates: list[int]
+    boundary_miss: bool = False  # the window's text agreed but re-encoded to other ids
+    held_back: int = 0  # proposal bytes left for the next round
+
+
+def translate_draft_to_target(
+    strategy: str,
+    draft: TokenBytes,
+    target: TokenBytes,
+    proposal: list[int],
+    committed: list[int],
+    prefix: int = 5,
+    cap: int | None = None,
+) -> Translation:
+    """Target token ids standing for the draft's ``proposal``, to be verified by the target.
+
+    ``committed`` are the target ids already committed (generated text, possibly preceded
+    by prompt ids); ``prefix`` is the context size in target tokens for ``context`` and
+    ``aligned``; ``cap`` bounds the number of candidates. A draft special token (its EOS)
+    ends the proposal: ``aligned`` maps it to the target's EOS when nothing was held back.
+    """
+    text_ids = proposal
+    special = next((i for i, token in enumerate(proposal) if draft.is_special(token)), None)
+    if special is not None:
+        text_ids = proposal[:special]
+    if strategy == "none":
+        candidates = [t for t in proposal if t < len(target.raw)]
+        return Translation(candidates[:cap])
+    if strategy == "naive":
+        text = draft.tokenizer.decode(text_ids)
+        return Translation(target.tokenizer.encode(text, add_special_tokens=False)[:cap])
+    if strategy == "context":
+        window = committed[-prefix:] if prefix else []
+        text = target.tokenizer.decode(window) + draft.tokenizer.decode(text_ids)
+        return Translation(target.tokenizer.encode(text, add_special_tokens=False)[len(window):][:cap])
+    if strategy != "aligned":
+        raise ValueError(f"unknown translation strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    return _aligned(draft, target, text_ids, special is not None, committed, prefix, cap)
+
+
+# Letters a word could go on with, to probe whether its last token would re-merge.
+_PROBES = tuple(s.encode() for s in ("a", "e", "i", "o", "y", "ą", "ę", "ó", "ch", "cz", "sz", "rz", "n", "m", "k", "ł", "ś", "ż", "w"))
+
+
+def _stable_prefix(target: TokenBytes, window: list[int], text: bytes, candidates: list[int]) -> list[int]:
+    """The candidates that keep their form however the trailing partial word goes on.
+
+    The proposal stops inside a word, so the target may tokenize the completed word
+    differently; each probe letter appended shows which leading candidates survive.
+    """
+    stable = len(candidates)
+    for probe in _PROBES:
+        encoded = encode_after(target, target.text(window), text + probe)
+        ids = encoded[1] if encoded is not None else []
+        same = 0
+        while same < min(stable, len(ids)) and ids[same] == candidates[same]:
+            same += 1
+        stable = same
+    return candidates[:stable]
+
+
+def _aligned(draft, target, text_ids, ended, committed, prefix, cap) -> Translation:
+    proposal = draft.text(text_ids)
+    whole = complete_utf8(proposal)
+    if not (ended and whole == proposal):
+        whole = whole.rstrip()  # a space belongs to the token of the word after it
+    if not whole:
+        return Translation([], held_back=len(proposal))
+    window = committed[window_start(target, committed, prefix):]
+    encoded = encode_after(target, target.text(window), whole) or encode_after(target, b"", whole)
+    if encoded is None:
+        return Translation([], boundary_miss=True, held_back=len(proposal))
+    window_ids, candidates = encoded
+    if not (ended and whole == proposal) and not _PUNCTUATION_END.search(whole):
+        candidates = _stable_prefix(target, window, whole, candidates)
+    held_back = len(proposal) - len(target.text(candidates))
+    if ended and held_back == 0 and target.tokenizer.eos_token_id is not None:
+        candidates = candidates + [target.tokenizer.eos_token_id]
+    return Translation(candidates[:cap], boundary_miss=bool(window) and window_ids != window, held_back=held_back)
