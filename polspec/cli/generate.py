@@ -1,68 +1,109 @@
-"""``polspec generate``: one prompt, streamed to the terminal as it is generated."""
+"""``polspec generate``: one prompt, streamed to the terminal as it is committed."""
 
 from __future__ import annotations
 
 import json
+import sys
 
 import click
 
-from polspec.errors import PolspecError
+from polspec.decoding.params import K_POLICIES, MAX_K
+from polspec.decoding.translate import STRATEGIES
 
 DEFAULT_TARGET = "gemma3-270m"
 
 
+class DraftLengthType(click.ParamType):
+    """A number of draft tokens or the name of a draft-length policy."""
+
+    name = "N|" + "|".join(K_POLICIES)
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int) or value in K_POLICIES:
+            return value
+        try:
+            return int(value)
+        except ValueError:
+            self.fail(f"{value!r} is neither a number from 1 to {MAX_K} nor one of {', '.join(K_POLICIES)}", param, ctx)
+
+
+class _Printer:
+    """Prints committed text as it grows, holding back an incomplete character."""
+
+    def __init__(self, tokenizer, mark_accepted: bool):
+        self.tokenizer = tokenizer
+        self.mark = mark_accepted
+        self.tokens: list[int] = []
+        self.shown = ""
+        self.color = sys.stdout.isatty()
+
+    def add(self, tokens: list[int], drafted: int) -> None:
+        for index, token in enumerate(tokens):
+            self.tokens.append(token)
+            text = self.tokenizer.decode(self.tokens)
+            if text.endswith("\ufffd"):
+                continue
+            piece, self.shown = text[len(self.shown):], text
+            from_draft = self.mark and index < drafted
+            if from_draft and self.color:
+                piece = click.style(piece, fg="green", underline=True)
+            elif from_draft:
+                piece = f"[{piece}]"
+            click.echo(piece, nl=False)
+
+
 @click.command()
 @click.argument("prompt")
-@click.option("--target", default=DEFAULT_TARGET, show_default=True, help="Model alias that writes the text.")
-@click.option("--max-tokens", default=128, show_default=True, type=click.IntRange(min=1), help="Tokens to generate at most.")
-@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0.0),
-              help="0 is greedy decoding.")
-@click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0.0, 1.0, min_open=True),
-              help="Nucleus sampling mass.")
+@click.option("--target", default=DEFAULT_TARGET, show_default=True, help="Model alias whose output you get.")
+@click.option("--draft", default="none", show_default=True, help="Draft model alias, or none for target-only decoding.")
+@click.option("--k", "k", default="2", show_default=True, type=DraftLengthType(),
+              help="Draft tokens per round, or a policy: heuristic (adapts to acceptance), confidence (stops when the draft is unsure).")
+@click.option("--strategy", default="aligned", show_default=True, type=click.Choice(STRATEGIES),
+              help="How draft tokens become target tokens when the tokenizers differ.")
+@click.option("--prefix", default=5, show_default=True, type=int, help="Committed target tokens of context for translation.")
+@click.option("--max-tokens", default=128, show_default=True, type=int, help="Tokens to generate at most.")
+@click.option("--temperature", default=0.0, show_default=True, type=float, help="0 is greedy decoding.")
+@click.option("--top-p", default=1.0, show_default=True, type=float, help="Nucleus sampling mass, in (0, 1].")
+@click.option("--top-k", default=0, show_default=True, type=int, help="Sample among the k likeliest tokens (0: off).")
 @click.option("--seed", type=int, help="Random seed for sampling.")
-@click.option("--raw", is_flag=True, help="Continue PROMPT as plain text instead of applying the chat template.")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object with the text, token ids and timings.")
-def generate(prompt: str, target: str, max_tokens: int, temperature: float, top_p: float,
-             seed: int | None, raw: bool, as_json: bool) -> None:
-    """Generate a continuation of PROMPT with the target model (target-only decoding).
+@click.option("--raw", is_flag=True, help="Continue PROMPT as plain text instead of applying the chat templates.")
+@click.option("--show-accepted", is_flag=True, help="Mark text the target accepted from the draft.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object: text, token ids, spans, metrics.")
+def generate(prompt: str, target: str, draft: str, k, strategy: str, prefix: int, max_tokens: int,
+             temperature: float, top_p: float, top_k: int, seed: int | None, raw: bool,
+             show_accepted: bool, as_json: bool) -> None:
+    """Generate a continuation of PROMPT, speculatively when a --draft is given.
+
+    The output is always the target's: with a draft, every token is still chosen by the
+    target (greedy output equals target-only output token for token), only faster when the
+    draft guesses well. Models with a chat template get PROMPT as a user message; each
+    model renders it with its own template.
 
     \b
     Examples:
       polspec generate "Kraków jest"
-      polspec generate "Napisz haiku o Wiśle." --target qwen2.5-coder-1.5b --max-tokens 64
+      polspec generate "Kraków jest" --target gemma3-270m --draft smollm2-135m --show-accepted
+      polspec generate "Napisz haiku o Wiśle." --target qwen2.5-coder-1.5b --draft gemma3-270m --raw --json
     """
-    import mlx.core as mx
-    from mlx_lm import stream_generate
-    from mlx_lm.sample_utils import make_sampler
-
+    from polspec.decoding import DecodingParams
+    from polspec.decoding.metrics import DecodeMetrics
+    from polspec.decoding.run import generate as generate_text, stream
     from polspec.models.loader import load_model
 
-    if not prompt.strip():
-        raise PolspecError("the prompt is empty")
-    loaded = load_model(target)
-    tokenizer = loaded.tokenizer
-    chat = loaded.entry.chat_template and not raw
-    if chat:
-        prompt_ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
-    else:
-        prompt_ids = tokenizer.encode(prompt)
-    if seed is not None:
-        mx.random.seed(seed)
-    sampler = make_sampler(temp=temperature, top_p=top_p if top_p < 1.0 else 0.0)
-    tokens, pieces, last = [], [], None
-    for last in stream_generate(loaded.model, tokenizer, prompt_ids, max_tokens=max_tokens, sampler=sampler):
-        if last.finish_reason != "stop":
-            tokens.append(last.token)
-        pieces.append(last.text)
-        if not as_json:
-            click.echo(last.text, nl=False)
-    text = "".join(pieces)
+    params = DecodingParams(max_tokens=max_tokens, k=k, strategy=strategy, prefix=prefix, temperature=temperature,
+                            top_p=top_p, top_k=top_k, seed=seed)
+    target_model = load_model(target)
+    draft_model = None if draft == "none" else load_model(draft)
+    chat = False if raw else None
     if as_json:
+        result = generate_text(target_model, draft_model, prompt, params, chat)
         click.echo(json.dumps({
-            "target": target, "dtype": loaded.dtype, "chat_template": chat, "text": text, "token_ids": tokens,
-            "prompt_tokens": last.prompt_tokens, "generated_tokens": last.generation_tokens,
-            "prefill_tokens_per_s": round(last.prompt_tps, 2), "decode_tokens_per_s": round(last.generation_tps, 2),
-            "peak_memory_gb": round(last.peak_memory, 3), "finish_reason": last.finish_reason,
+            "target": target, "draft": draft, "params": params.as_dict(), "text": result.text,
+            "token_ids": result.token_ids, "spans": result.spans, "metrics": result.metrics.as_dict(),
         }, ensure_ascii=False))
-    else:
-        click.echo()
+        return
+    printer = _Printer(target_model.tokenizer, show_accepted)
+    metrics = DecodeMetrics()
+    for commit in stream(target_model, draft_model, prompt, params, metrics, chat):
+        printer.add(commit.tokens, commit.drafted)
+    click.echo()

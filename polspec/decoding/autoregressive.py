@@ -4,26 +4,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 from polspec import backend  # noqa: F401  (before mlx: the Linux BLAS fix)
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
+from polspec.decoding.commit import Commit
 from polspec.decoding.kv import prefill
 from polspec.decoding.metrics import DecodeMetrics
 from polspec.decoding.params import DecodingParams
 from polspec.decoding.sampling import token_sampler
 from polspec.models.loader import LoadedModel
-
-
-@dataclass(frozen=True)
-class Commit:
-    """Tokens committed in one round; the first ``drafted`` of them were proposed by the draft."""
-
-    tokens: list[int]
-    drafted: int = 0
 
 
 def generate_autoregressive(

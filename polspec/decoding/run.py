@@ -9,7 +9,8 @@ from polspec import backend  # noqa: F401  (before mlx: the Linux BLAS fix)
 
 import mlx.core as mx
 
-from polspec.decoding.autoregressive import Commit, generate_autoregressive
+from polspec.decoding.autoregressive import generate_autoregressive
+from polspec.decoding.commit import Commit
 from polspec.decoding.metrics import DecodeMetrics
 from polspec.decoding.params import DecodingParams
 from polspec.decoding.speculative import generate_speculative

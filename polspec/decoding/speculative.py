@@ -24,7 +24,7 @@ from polspec import backend  # noqa: F401  (before mlx: the Linux BLAS fix)
 
 import mlx.core as mx
 
-from polspec.decoding.autoregressive import Commit
+from polspec.decoding.commit import Commit, RoundState
 from polspec.decoding.kv import cached_length, new_cache, prefill, trim
 from polspec.decoding.metrics import DecodeMetrics
 from polspec.decoding.params import DecodingParams
@@ -127,7 +127,6 @@ def generate_speculative(
 
     committed: list[int] = []
     pending = target_prompt[-1]
-    metrics.finish_reason = "length"
     while len(committed) < params.max_tokens:
         clock = time.perf_counter()
         k = min(policy.k, params.max_tokens - len(committed))
@@ -175,17 +174,18 @@ def generate_speculative(
         committed += new
         pending = new[-1] if new else pending
         metrics.generated_tokens = len(committed)
+        finished = stop is not None or len(committed) >= params.max_tokens
+        if not finished:
+            clock = time.perf_counter()
+            draft_side.resync(committed, target_table.text(new) if translate else b"")
+            metrics.resync_s += time.perf_counter() - clock
         if new:
-            yield Commit(new, drafted=min(accepted, len(new)))
-        if stop is not None:
-            metrics.finish_reason = "stop"
+            state = RoundState(cached_length(target_cache), cached_length(draft_side.cache), draft_side.fed,
+                               list(draft_side.generated), draft_side.lag)
+            yield Commit(new, drafted=min(accepted, len(new)), state=state)
+        if finished:
+            metrics.finish_reason = "stop" if stop is not None else "length"
             break
-        if len(committed) >= params.max_tokens:
-            break
-
-        clock = time.perf_counter()
-        draft_side.resync(committed, target_table.text(new) if translate else b"")
-        metrics.resync_s += time.perf_counter() - clock
     metrics.decode_s = metrics.draft_s + metrics.translate_s + metrics.verify_s + metrics.resync_s
     metrics.peak_memory_gb = mx.get_peak_memory() / 1e9
 

@@ -106,7 +106,8 @@ def encode_after(table: TokenBytes, context: bytes, text: bytes) -> tuple[list[i
     Returns ``(context_ids, text_ids)`` with raw bytes equal to ``context`` and ``text``
     exactly, or None when some token spans the boundary between the two (or the tokenizer
     cannot represent the text byte for byte). A SentencePiece dummy prefix added in front
-    of the context is not part of ``context_ids``.
+    of the context is not part of ``context_ids``; one fused into the first token of the
+    text (no context) makes it unrepresentable, hence None.
     """
     full = context + text
     try:
@@ -117,7 +118,9 @@ def encode_after(table: TokenBytes, context: bytes, text: bytes) -> tuple[list[i
     offset = ends[-1] - len(full)
     if offset < 0 or table.text(ids)[offset:] != full:
         return None
-    start = ends.index(offset) if offset in ends else 0
+    if offset not in ends:  # the dummy prefix space is fused into the first token
+        return None
+    start = ends.index(offset)
     boundary = offset + len(context)
     if boundary not in ends:
         return None
@@ -134,13 +137,15 @@ def extend_tokens(table: TokenBytes, ids: list[int], new: bytes, window: int) ->
     is replaced rather than kept.
     """
     start = window_start(table, ids, window)
-    for context_start in (start, len(ids)):
-        encoded = encode_after(table, table.text(ids[context_start:]), new)
-        if encoded is not None:
-            context_ids, tail = encoded
-            same = _common_prefix(context_ids, ids[context_start:])
-            return context_start + same, context_ids[same:] + tail
-    return len(ids), table.encode(new)
+    encoded = encode_after(table, table.text(ids[start:]), new)
+    if encoded is not None:
+        context_ids, tail = encoded
+        same = _common_prefix(context_ids, ids[start:])
+        return start + same, context_ids[same:] + tail
+    # A token of the window would merge into the new text: keep the window, and tokenize
+    # the new text after a neutral newline.
+    encoded = encode_after(table, b"\n", new)
+    return len(ids), encoded[1] if encoded is not None else table.encode(new)
 
 
 def window_start(table: TokenBytes, ids: list[int], window: int) -> int:
@@ -235,7 +240,8 @@ def _aligned(draft, target, text_ids, ended, committed, prefix, cap) -> Translat
     if not whole:
         return Translation([], held_back=len(proposal))
     window = committed[window_start(target, committed, prefix):]
-    encoded = encode_after(target, target.text(window), whole) or encode_after(target, b"", whole)
+    # A newline is a neutral context when the window's last token would merge into the text.
+    encoded = encode_after(target, target.text(window), whole) or encode_after(target, b"\n", whole)
     if encoded is None:
         return Translation([], boundary_miss=True, held_back=len(proposal))
     window_ids, candidates = encoded

@@ -1,0 +1,110 @@
+"""Speculative decoding against target-only decoding, side by side in one run.
+
+    .venv/bin/python bench/decode.py --target gemma3-270m --drafts smollm2-135m --prompts 5
+    .venv/bin/python bench/decode.py --fidelity          # the oracle fidelity table only
+
+For each draft, strategy and k, every prompt is decoded target-only and speculatively in
+turn (so machine drift hits both), greedy, and the report gives the median and spread over
+prompts of the tokens/s ratio, with acceptance, committed tokens per round and translation
+overhead as a fraction of the target's verification time. Prints Markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from importlib import resources
+
+from polspec import backend
+
+from polspec.decoding import DecodingParams, generate
+from polspec.decoding.fidelity import Fidelity, oracle_fidelity
+from polspec.decoding.translate import STRATEGIES
+from polspec.models.loader import load_model
+from polspec.models.tokenizers import load_tokenizer
+
+FIDELITY_PAIRS = [
+    ("tok:mistral-32k", "qwen2.5-coder-1.5b"), ("tok:mistral-32k", "tok:llama3"),
+    ("tok:mistral-32k", "smollm2-135m"), ("tok:mistral-32k", "gemma3-270m"),
+    ("qwen2.5-coder-1.5b", "smollm2-135m"), ("qwen2.5-coder-1.5b", "gemma3-270m"),
+]
+
+
+def polish_texts() -> list[str]:
+    lines = resources.files("polspec.data").joinpath("polish-texts.jsonl").read_text(encoding="utf-8").splitlines()
+    return [json.loads(line)["text"] for line in lines if line.strip()]
+
+
+def fidelity_table(ks: list[int]) -> str:
+    """Oracle fidelity per pair, k and strategy: candidates accepted / tokens per round."""
+    texts = polish_texts()
+    tokenizers = {alias: load_tokenizer(alias) for pair in FIDELITY_PAIRS for alias in pair}
+    strategies = ["naive", "context", "aligned"]
+    lines = ["| target | draft | k | " + " | ".join(strategies) + " |", "|---|---|---|" + "---|" * len(strategies)]
+    for target, draft in FIDELITY_PAIRS:
+        for k in ks:
+            cells = []
+            for strategy in strategies:
+                total = sum((oracle_fidelity(tokenizers[target], tokenizers[draft], text, k, strategy) for text in texts),
+                            Fidelity(0, 0, 0, 0))
+                cells.append(f"{total.acceptance:.1%} / {total.tokens_per_round:.2f}")
+            lines.append(f"| {target} | {draft} | {k} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def prompts(count: int) -> list[str]:
+    """Openings of the built-in Polish texts: the first eight words of each."""
+    return [" ".join(text.split()[:8]) for text in polish_texts()[:count]]
+
+
+def speed_table(target_alias: str, drafts: list[str], strategies: list[str], ks: list, count: int, max_tokens: int) -> str:
+    target = load_model(target_alias)
+    lines = ["| draft | strategy | k | speed vs target-only (median, min-max) | accepted / candidate | accepted / draft token | tokens / round | translate / verify |",
+             "|---|---|---|---|---|---|---|---|"]
+    for draft_alias in drafts:
+        draft = load_model(draft_alias)
+        for strategy in strategies:
+            for k in ks:
+                ratios, metrics = [], []
+                for prompt in prompts(count):
+                    base = generate(target, None, prompt, DecodingParams(max_tokens=max_tokens), chat=False)
+                    spec = generate(target, draft, prompt, DecodingParams(max_tokens=max_tokens, k=k, strategy=strategy), chat=False)
+                    assert spec.token_ids == base.token_ids, f"not lossless on {prompt!r}"
+                    ratios.append(spec.metrics.decode_tokens_per_s / base.metrics.decode_tokens_per_s)
+                    metrics.append(spec.metrics)
+                per_candidate = sum(m.candidates_accepted for m in metrics) / max(1, sum(m.candidates for m in metrics))
+                per_draft = sum(m.draft_tokens_accepted for m in metrics) / max(1, sum(m.draft_tokens for m in metrics))
+                per_round = sum(m.generated_tokens for m in metrics) / sum(m.rounds for m in metrics)
+                overhead = sum(m.translate_s for m in metrics) / sum(m.verify_s for m in metrics)
+                lines.append(
+                    f"| {draft_alias} | {strategy} | {k} | {statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}) "
+                    f"| {per_candidate:.1%} | {per_draft:.1%} | {per_round:.2f} | {overhead:.1%} |"
+                )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="gemma3-270m")
+    parser.add_argument("--drafts", default="smollm2-135m")
+    parser.add_argument("--strategies", default="naive,context,aligned")
+    parser.add_argument("--k", default="1,2,3,4,heuristic,confidence")
+    parser.add_argument("--prompts", type=int, default=5)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--fidelity", action="store_true", help="Only the oracle fidelity table.")
+    args = parser.parse_args()
+    info = backend.setup()
+    print(f"MLX {info.mlx_version} on {info.device}, dtype {info.dtype}, BLAS fix {'on' if info.blas.active else 'off'}\n")
+    print("Oracle fidelity (candidates accepted / committed tokens per round):\n")
+    print(fidelity_table([2, 4]))
+    if args.fidelity:
+        return
+    ks = [int(k) if k.isdigit() else k for k in args.k.split(",")]
+    strategies = [s for s in args.strategies.split(",") if s in STRATEGIES]
+    print(f"\nTarget {args.target}, greedy, {args.max_tokens} tokens, {args.prompts} prompts:\n")
+    print(speed_table(args.target, args.drafts.split(","), strategies, ks, args.prompts, args.max_tokens))
+
+
+if __name__ == "__main__":
+    main()

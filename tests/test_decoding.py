@@ -1,0 +1,224 @@
+"""The decoders on real models: lossless greedy output, the sampled distribution, KV caches."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import Counter
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from polspec.cli import main
+from polspec.decoding import DecodingParams, generate
+from polspec.decoding.kv import new_cache
+from polspec.decoding.metrics import DecodeMetrics
+from polspec.decoding.run import encode_prompt, stream
+from polspec.decoding.translate import STRATEGIES, token_bytes
+from polspec.errors import PolspecError
+
+PROMPTS = [
+    "Kraków jest", "Stolicą Polski jest Warszawa, która", "Wisła to najdłuższa rzeka", "W lesie rosną",
+    "Maria Skłodowska-Curie była", "Najlepszy przepis na pierogi", "Zimą w górach", "Polska leży w",
+    "Mój ulubiony poeta to", "Gdańsk słynie z", "Jutro rano pojadę", "Kot siedział na",
+    "Historia Polski zaczyna się", "Najwyższym szczytem Tatr", "W szkole uczymy się", "Ryby żyją w",
+    "Fryderyk Chopin skomponował", "Na śniadanie zjadłem", "Pociąg do Poznania", "Źródła Wisły leżą",
+]
+MAX_TOKENS = 10
+# Every strategy and k gets all 20 prompts with POLSPEC_TEST_FULL_GRID=1; by default the
+# default k=2 gets all 20 and the other k every fourth, to keep the suite within minutes.
+FULL_GRID = os.environ.get("POLSPEC_TEST_FULL_GRID") == "1"
+TIE = 1e-5
+
+
+def prompts_for(k: int) -> list[str]:
+    return PROMPTS if FULL_GRID or k == 2 else PROMPTS[::4]
+
+
+@pytest.fixture(scope="module")
+def baselines(gemma3, smollm2):
+    """Target-only greedy outputs per (target, prompt), computed once."""
+    return {
+        (target.entry.alias, prompt): generate(target, None, prompt, DecodingParams(max_tokens=MAX_TOKENS), chat=False)
+        for target in (gemma3, smollm2) for prompt in PROMPTS
+    }
+
+
+def assert_same_or_float_tie(target, prompt: str, expected: list[int], actual: list[int]) -> None:
+    """Equal ids, or the first difference is a float tie in the target's own logits (shown, not assumed)."""
+    if actual == expected:
+        return
+    index = next(i for i, (a, b) in enumerate(zip(actual, expected)) if a != b)
+    ids = encode_prompt(target, prompt, chat=False) + expected[:index]
+    logits = np.sort(np.array(target.model(mx.array([ids]))[0, -1]))
+    gap = float(logits[-1] - logits[-2])
+    assert gap < TIE, f"{prompt!r}: token {index} differs ({actual[index]} vs {expected[index]}) with a logit gap of {gap}"
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("k", [1, 2, 3, 5])
+@pytest.mark.parametrize("pair", ["gemma3>smollm2", "smollm2>gemma3"])
+def test_greedy_speculative_equals_greedy_baseline(request, baselines, pair, k, strategy):
+    target_name, draft_name = pair.split(">")
+    target, draft = request.getfixturevalue(target_name), request.getfixturevalue(draft_name)
+    params = DecodingParams(max_tokens=MAX_TOKENS, k=k, strategy=strategy)
+    for prompt in prompts_for(k):
+        result = generate(target, draft, prompt, params, chat=False)
+        assert_same_or_float_tie(target, prompt, baselines[target.entry.alias, prompt].token_ids, result.token_ids)
+        assert result.metrics.rounds >= 1 and result.metrics.candidates_accepted <= result.metrics.candidates
+
+
+@pytest.mark.parametrize("policy", ["heuristic", "confidence"])
+def test_adaptive_draft_lengths_are_lossless(gemma3, smollm2, baselines, policy):
+    for prompt in PROMPTS[:5]:
+        result = generate(gemma3, smollm2, prompt, DecodingParams(max_tokens=MAX_TOKENS, k=policy), chat=False)
+        assert_same_or_float_tie(gemma3, prompt, baselines["gemma3-270m", prompt].token_ids, result.token_ids)
+
+
+def test_a_model_drafting_for_itself_has_every_candidate_accepted(gemma3, baselines):
+    """Same tokenizer family: the fast path without translation. A model agrees with itself."""
+    result = generate(gemma3, gemma3, PROMPTS[0], DecodingParams(max_tokens=MAX_TOKENS, k=3), chat=False)
+    assert result.token_ids == baselines["gemma3-270m", PROMPTS[0]].token_ids
+    assert result.metrics.candidates_accepted == result.metrics.candidates > 0
+    assert result.metrics.tokens_per_round > 2
+
+
+@pytest.mark.parametrize("pair", ["gemma3>smollm2", "smollm2>gemma3"])
+def test_caches_hold_exactly_the_committed_and_resynced_tokens(request, pair):
+    target_name, draft_name = pair.split(">")
+    target, draft = request.getfixturevalue(target_name), request.getfixturevalue(draft_name)
+    target_bytes, draft_bytes = token_bytes(target.tokenizer._tokenizer), token_bytes(draft.tokenizer._tokenizer)
+    prompt = PROMPTS[1]
+    target_prompt = encode_prompt(target, prompt, chat=False)
+    committed: list[int] = []
+    rounds = 0
+    for commit in stream(target, draft, prompt, DecodingParams(max_tokens=24, k=3), DecodeMetrics(), chat=False):
+        committed += commit.tokens
+        state = commit.state
+        rounds += 1
+        if len(committed) == 24:
+            break  # the last round stops before re-syncing the draft
+        assert state.target_cached == len(target_prompt) + len(committed) - 1
+        assert state.draft_cached == state.draft_fed
+        assert draft_bytes.text(state.draft_generated) + state.draft_lag == target_bytes.text(committed)
+    assert rounds > 1
+
+
+def chi_square_critical(df: int, z: float = 3.09) -> float:
+    """Wilson-Hilferty approximation of the chi-square quantile (z = 3.09: p = 0.001)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def homogeneity_statistic(a: Counter, b: Counter, minimum: int = 10) -> tuple[float, int]:
+    """Two-sample chi-square over tokens seen at least ``minimum`` times in total, rest pooled."""
+    tokens = sorted(t for t in set(a) | set(b) if a[t] + b[t] >= minimum)
+    rows = [(a[t], b[t]) for t in tokens]
+    rest = (sum(a.values()) - sum(r[0] for r in rows), sum(b.values()) - sum(r[1] for r in rows))
+    if sum(rest):
+        rows.append(rest)
+    n_a, n_b = sum(a.values()), sum(b.values())
+    statistic = 0.0
+    for count_a, count_b in rows:
+        total = count_a + count_b
+        for count, n in ((count_a, n_a), (count_b, n_b)):
+            expected = total * n / (n_a + n_b)
+            statistic += (count - expected) ** 2 / expected
+    return statistic, len(rows) - 1
+
+
+def test_sampling_keeps_the_target_distribution(gemma3, smollm2):
+    samples = 160
+    params = dict(max_tokens=2, temperature=1.0, k=2)
+    baseline = [generate(gemma3, None, "Kraków jest", DecodingParams(seed=s, **params), chat=False).token_ids
+                for s in range(samples)]
+    speculative = [generate(gemma3, smollm2, "Kraków jest", DecodingParams(seed=10_000 + s, **params), chat=False).token_ids
+                   for s in range(samples)]
+    for position in (0, 1):
+        a = Counter(ids[position] for ids in baseline if len(ids) > position)
+        b = Counter(ids[position] for ids in speculative if len(ids) > position)
+        statistic, df = homogeneity_statistic(a, b)
+        assert df >= 2, "too few distinct tokens to test the distribution"
+        assert statistic < chi_square_critical(df), (position, statistic, df, a.most_common(5), b.most_common(5))
+
+
+def test_the_chi_square_check_detects_a_different_distribution(gemma3):
+    """The distribution test can fail: greedy-ish sampling differs from temperature 1."""
+    hot = [generate(gemma3, None, "Kraków jest", DecodingParams(max_tokens=1, temperature=1.0, seed=s), chat=False).token_ids[0]
+           for s in range(160)]
+    cold = [generate(gemma3, None, "Kraków jest", DecodingParams(max_tokens=1, temperature=0.3, seed=s), chat=False).token_ids[0]
+            for s in range(160)]
+    statistic, df = homogeneity_statistic(Counter(hot), Counter(cold))
+    assert statistic > chi_square_critical(df)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(k=0), "k must be between 1 and 16, got 0"),
+    (dict(k=17), "k must be between 1 and 16, got 17"),
+    (dict(k="auto-ish"), "k must be a number from 1 to 16 or one of heuristic, confidence"),
+    (dict(prefix=-1), "prefix must be 0 or more, got -1"),
+    (dict(temperature=-0.5), "temperature must be 0 or more, got -0.5"),
+    (dict(top_p=0.0), r"top_p must be in \(0, 1\], got 0.0"),
+    (dict(top_p=1.5), r"top_p must be in \(0, 1\], got 1.5"),
+    (dict(max_tokens=0), "max_tokens must be at least 1, got 0"),
+    (dict(strategy="magic"), "unknown strategy 'magic'"),
+])
+def test_invalid_parameters(kwargs, message):
+    with pytest.raises(PolspecError, match=message):
+        DecodingParams(**kwargs)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--k", "0"], "k must be between 1 and 16, got 0"),
+    (["--top-p", "0"], "top_p must be in (0, 1], got 0.0"),
+    (["--temperature", "-1"], "temperature must be 0 or more, got -1.0"),
+])
+def test_cli_rejects_bad_parameters_in_one_line(args, message):
+    result = CliRunner().invoke(main, ["generate", "Kraków jest", "--draft", "smollm2-135m", *args])
+    assert result.exit_code == 1
+    assert result.output == f"polspec: error: {message}\n"
+
+
+def test_empty_prompt(gemma3):
+    with pytest.raises(PolspecError, match="the prompt is empty"):
+        generate(gemma3, None, "  \n", DecodingParams())
+
+
+def test_prompt_longer_than_the_context_gives_both_lengths(smollm2):
+    with pytest.raises(PolspecError, match=r"the prompt has \d{4,} tokens and 10 more were asked for, but smollm2-135m takes at most 8192"):
+        generate(smollm2, None, "kot " * 9000, DecodingParams(max_tokens=10), chat=False)
+
+
+def test_sliding_window_target_is_refused_past_its_window(gemma3, smollm2):
+    with pytest.raises(PolspecError, match="gemma3-270m uses a sliding-window cache of 512 tokens"):
+        generate(gemma3, smollm2, "Kraków jest", DecodingParams(max_tokens=600), chat=False)
+
+
+def test_state_space_models_are_refused():
+    from mlx_lm.models import mamba
+
+    args = mamba.ModelArgs(model_type="mamba", vocab_size=32, hidden_size=16, intermediate_size=32, state_size=4,
+                           num_hidden_layers=2, conv_kernel=4, use_bias=False, use_conv_bias=True, time_step_rank=2)
+    with pytest.raises(PolspecError, match="tiny-mamba has ArraysCache layers .* cannot be trimmed"):
+        new_cache(mamba.Model(args), "tiny-mamba", 16)
+
+
+def test_chat_mode_needs_a_draft_chat_template(smollm2, gemma3):
+    with pytest.raises(PolspecError, match="gemma3-270m has no chat template; run in raw mode"):
+        generate(smollm2, gemma3, "Napisz zdanie o Krakowie.", DecodingParams(max_tokens=4))
+
+
+def test_cli_streams_and_marks_accepted_text(gemma3, smollm2):
+    runner = CliRunner()
+    args = ["generate", "Stolicą Polski jest Warszawa, która", "--draft", "smollm2-135m", "--max-tokens", "12"]
+    plain = runner.invoke(main, args)
+    marked = runner.invoke(main, args + ["--show-accepted"])
+    as_json = runner.invoke(main, args + ["--json"])
+    assert plain.exit_code == marked.exit_code == as_json.exit_code == 0, plain.output + marked.output
+    result = __import__("json").loads(as_json.output)
+    assert plain.output.strip() == result["text"].strip()
+    accepted = "".join(text for text, from_draft in result["spans"] if from_draft)
+    assert marked.output.replace("[", "").replace("]", "") == plain.output
+    assert ("[" in marked.output) == bool(accepted)
+    assert result["metrics"]["generated_tokens"] == len(result["token_ids"]) == 12
