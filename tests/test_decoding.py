@@ -26,24 +26,35 @@ PROMPTS = [
     "Historia Polski zaczyna się", "Najwyższym szczytem Tatr", "W szkole uczymy się", "Ryby żyją w",
     "Fryderyk Chopin skomponował", "Na śniadanie zjadłem", "Pociąg do Poznania", "Źródła Wisły leżą",
 ]
-MAX_TOKENS = 10
-# Every strategy and k gets all 20 prompts with POLSPEC_TEST_FULL_GRID=1; by default the
-# default k=2 gets all 20 and the other k every fourth, to keep the suite within minutes.
+MAX_TOKENS = 8
+# POLSPEC_TEST_FULL_GRID=1 runs all 20 prompts for every pair, strategy and k (about 30
+# minutes here). By default the default configuration (gemma3 target, smollm2 draft, aligned,
+# k=2) gets all 20 prompts and the rest of the grid a sample, to keep the suite within
+# minutes on a 2-core CPU.
 FULL_GRID = os.environ.get("POLSPEC_TEST_FULL_GRID") == "1"
 TIE = 1e-5
 
 
-def prompts_for(k: int) -> list[str]:
-    return PROMPTS if FULL_GRID or k == 2 else PROMPTS[::4]
+def prompts_for(pair: str, k: int, strategy: str) -> list[str]:
+    if FULL_GRID or (pair == "gemma3>smollm2" and k == 2 and strategy == "aligned"):
+        return PROMPTS
+    if pair == "gemma3>smollm2":
+        return PROMPTS[::4] if k == 2 else PROMPTS[::10]
+    return PROMPTS[::5] if k == 2 else PROMPTS[7:8]
 
 
 @pytest.fixture(scope="module")
-def baselines(gemma3, smollm2):
-    """Target-only greedy outputs per (target, prompt), computed once."""
-    return {
-        (target.entry.alias, prompt): generate(target, None, prompt, DecodingParams(max_tokens=MAX_TOKENS), chat=False)
-        for target in (gemma3, smollm2) for prompt in PROMPTS
-    }
+def baseline():
+    """Target-only greedy token ids for (target, prompt), each computed once when first needed."""
+    results: dict[tuple[str, str], list[int]] = {}
+
+    def ids(target, prompt: str) -> list[int]:
+        key = (target.entry.alias, prompt)
+        if key not in results:
+            results[key] = generate(target, None, prompt, DecodingParams(max_tokens=MAX_TOKENS), chat=False).token_ids
+        return results[key]
+
+    return ids
 
 
 def assert_same_or_float_tie(target, prompt: str, expected: list[int], actual: list[int]) -> None:
@@ -60,27 +71,27 @@ def assert_same_or_float_tie(target, prompt: str, expected: list[int], actual: l
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("k", [1, 2, 3, 5])
 @pytest.mark.parametrize("pair", ["gemma3>smollm2", "smollm2>gemma3"])
-def test_greedy_speculative_equals_greedy_baseline(request, baselines, pair, k, strategy):
+def test_greedy_speculative_equals_greedy_baseline(request, baseline, pair, k, strategy):
     target_name, draft_name = pair.split(">")
     target, draft = request.getfixturevalue(target_name), request.getfixturevalue(draft_name)
     params = DecodingParams(max_tokens=MAX_TOKENS, k=k, strategy=strategy)
-    for prompt in prompts_for(k):
+    for prompt in prompts_for(pair, k, strategy):
         result = generate(target, draft, prompt, params, chat=False)
-        assert_same_or_float_tie(target, prompt, baselines[target.entry.alias, prompt].token_ids, result.token_ids)
+        assert_same_or_float_tie(target, prompt, baseline(target, prompt), result.token_ids)
         assert result.metrics.rounds >= 1 and result.metrics.candidates_accepted <= result.metrics.candidates
 
 
 @pytest.mark.parametrize("policy", ["heuristic", "confidence"])
-def test_adaptive_draft_lengths_are_lossless(gemma3, smollm2, baselines, policy):
+def test_adaptive_draft_lengths_are_lossless(gemma3, smollm2, baseline, policy):
     for prompt in PROMPTS[:5]:
         result = generate(gemma3, smollm2, prompt, DecodingParams(max_tokens=MAX_TOKENS, k=policy), chat=False)
-        assert_same_or_float_tie(gemma3, prompt, baselines["gemma3-270m", prompt].token_ids, result.token_ids)
+        assert_same_or_float_tie(gemma3, prompt, baseline(gemma3, prompt), result.token_ids)
 
 
-def test_a_model_drafting_for_itself_has_every_candidate_accepted(gemma3, baselines):
+def test_a_model_drafting_for_itself_has_every_candidate_accepted(gemma3, baseline):
     """Same tokenizer family: the fast path without translation. A model agrees with itself."""
     result = generate(gemma3, gemma3, PROMPTS[0], DecodingParams(max_tokens=MAX_TOKENS, k=3), chat=False)
-    assert result.token_ids == baselines["gemma3-270m", PROMPTS[0]].token_ids
+    assert result.token_ids == baseline(gemma3, PROMPTS[0])
     assert result.metrics.candidates_accepted == result.metrics.candidates > 0
     assert result.metrics.tokens_per_round > 2
 
@@ -111,7 +122,7 @@ def chi_square_critical(df: int, z: float = 3.09) -> float:
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
-def homogeneity_statistic(a: Counter, b: Counter, minimum: int = 10) -> tuple[float, int]:
+def homogeneity_statistic(a: Counter, b: Counter, minimum: int = 8) -> tuple[float, int]:
     """Two-sample chi-square over tokens seen at least ``minimum`` times in total, rest pooled."""
     tokens = sorted(t for t in set(a) | set(b) if a[t] + b[t] >= minimum)
     rows = [(a[t], b[t]) for t in tokens]
@@ -129,11 +140,12 @@ def homogeneity_statistic(a: Counter, b: Counter, minimum: int = 10) -> tuple[fl
 
 
 def test_sampling_keeps_the_target_distribution(gemma3, smollm2):
-    samples = 160
+    samples = 80
     params = dict(max_tokens=2, temperature=1.0, k=2)
-    baseline = [generate(gemma3, None, "Kraków jest", DecodingParams(seed=s, **params), chat=False).token_ids
+    prompt = "Wisła to najdłuższa rzeka"  # a next-token distribution with a few likely tokens
+    baseline = [generate(gemma3, None, prompt, DecodingParams(seed=s, **params), chat=False).token_ids
                 for s in range(samples)]
-    speculative = [generate(gemma3, smollm2, "Kraków jest", DecodingParams(seed=10_000 + s, **params), chat=False).token_ids
+    speculative = [generate(gemma3, smollm2, prompt, DecodingParams(seed=10_000 + s, **params), chat=False).token_ids
                    for s in range(samples)]
     for position in (0, 1):
         a = Counter(ids[position] for ids in baseline if len(ids) > position)
@@ -145,10 +157,11 @@ def test_sampling_keeps_the_target_distribution(gemma3, smollm2):
 
 def test_the_chi_square_check_detects_a_different_distribution(gemma3):
     """The distribution test can fail: greedy-ish sampling differs from temperature 1."""
-    hot = [generate(gemma3, None, "Kraków jest", DecodingParams(max_tokens=1, temperature=1.0, seed=s), chat=False).token_ids[0]
-           for s in range(160)]
-    cold = [generate(gemma3, None, "Kraków jest", DecodingParams(max_tokens=1, temperature=0.3, seed=s), chat=False).token_ids[0]
-            for s in range(160)]
+    prompt = "Wisła to najdłuższa rzeka"
+    hot = [generate(gemma3, None, prompt, DecodingParams(max_tokens=1, temperature=1.0, seed=s), chat=False).token_ids[0]
+           for s in range(50)]
+    cold = [generate(gemma3, None, prompt, DecodingParams(max_tokens=1, temperature=0.5, seed=s), chat=False).token_ids[0]
+            for s in range(50)]
     statistic, df = homogeneity_statistic(Counter(hot), Counter(cold))
     assert statistic > chi_square_critical(df)
 
@@ -211,7 +224,7 @@ def test_chat_mode_needs_a_draft_chat_template(smollm2, gemma3):
 
 def test_cli_streams_and_marks_accepted_text(gemma3, smollm2):
     runner = CliRunner()
-    args = ["generate", "Stolicą Polski jest Warszawa, która", "--draft", "smollm2-135m", "--max-tokens", "12"]
+    args = ["generate", "Stolicą Polski jest Warszawa, która", "--draft", "smollm2-135m", "--max-tokens", "8"]
     plain = runner.invoke(main, args)
     marked = runner.invoke(main, args + ["--show-accepted"])
     as_json = runner.invoke(main, args + ["--json"])
@@ -221,4 +234,4 @@ def test_cli_streams_and_marks_accepted_text(gemma3, smollm2):
     accepted = "".join(text for text, from_draft in result["spans"] if from_draft)
     assert marked.output.replace("[", "").replace("]", "") == plain.output
     assert ("[" in marked.output) == bool(accepted)
-    assert result["metrics"]["generated_tokens"] == len(result["token_ids"]) == 12
+    assert result["metrics"]["generated_tokens"] == len(result["token_ids"]) == 8

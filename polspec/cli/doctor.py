@@ -64,7 +64,7 @@ def collect() -> dict:
         "dtype_policy": info.dtype,
         "blas_fix": {"active": info.blas.active, "library": info.blas.library, "reason": info.blas.reason},
         "matmul_gflops_f32": round(backend.measure_matmul_gflops(), 1),
-        "memory_bandwidth_gbps": round(backend.measure_copy_bandwidth(), 1),
+        "memory_bandwidth_gbps": round(backend.measure_memory_bandwidth(), 1),
         "home": str(polspec_home()),
         "redis": _redis_report(redis_url()),
         "database": _database_report(database_url()),
@@ -83,7 +83,7 @@ def _print_human(report: dict) -> None:
         ("blas fix", blas["active"] or not report["platform"].startswith("Linux"),
          f"{'active' if blas['active'] else 'inactive'}: {blas['library'] or blas['reason']}"),
         ("matmul", True, f"{report['matmul_gflops_f32']} GFLOP/s (float32, 1024x1024)"),
-        ("bandwidth", True, f"{report['memory_bandwidth_gbps']} GB/s (read+write)"),
+        ("bandwidth", True, f"{report['memory_bandwidth_gbps']} GB/s (weights read by a matrix-vector product)"),
         ("home", True, report["home"]),
         ("redis", redis_report["reachable"] and redis_report.get("aof", False),
          f"{redis_report['url']}: " + (

@@ -30,7 +30,9 @@ from polspec.decoding.metrics import DecodeMetrics
 from polspec.decoding.params import DecodingParams
 from polspec.decoding.policy import DraftLength
 from polspec.decoding.sampling import token_sampler
-from polspec.decoding.translate import TokenBytes, complete_utf8, extend_tokens, token_bytes, translate_draft_to_target
+from polspec.decoding.translate import (
+    TokenBytes, common_prefix, complete_utf8, extend_tokens, token_bytes, translate_draft_to_target,
+)
 from polspec.models.loader import LoadedModel
 
 RESYNC_WINDOW = 8
@@ -43,15 +45,6 @@ def _hf(loaded: LoadedModel):
 
 def same_tokenizer(target: LoadedModel, draft: LoadedModel) -> bool:
     return target.entry.tokenizer_family == draft.entry.tokenizer_family
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class _DraftSide:
@@ -96,7 +89,7 @@ class _DraftSide:
                 keep, tail = extend_tokens(self.table, self.generated, new, RESYNC_WINDOW)
                 self.generated = self.generated[:keep] + tail
         wanted = self.prompt + self.generated
-        common = min(_common_prefix(self.sequence[: self.fed], wanted), len(wanted) - 1)
+        common = min(common_prefix(self.sequence[: self.fed], wanted), len(wanted) - 1)
         trim(self.cache, self.fed - common)
         self.sequence, self.fed = wanted, common
 

@@ -140,7 +140,7 @@ def extend_tokens(table: TokenBytes, ids: list[int], new: bytes, window: int) ->
     encoded = encode_after(table, table.text(ids[start:]), new)
     if encoded is not None:
         context_ids, tail = encoded
-        same = _common_prefix(context_ids, ids[start:])
+        same = common_prefix(context_ids, ids[start:])
         return start + same, context_ids[same:] + tail
     # A token of the window would merge into the new text: keep the window, and tokenize
     # the new text after a neutral newline.
@@ -158,7 +158,8 @@ def window_start(table: TokenBytes, ids: list[int], window: int) -> int:
     return start
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two id lists."""
     n = 0
     for x, y in zip(a, b):
         if x != y:
@@ -239,7 +240,7 @@ def _aligned(draft, target, text_ids, ended, committed, prefix, cap) -> Translat
         whole = whole.rstrip()  # a space belongs to the token of the word after it
     if not whole:
         return Translation([], held_back=len(proposal))
-    window = committed[window_start(target, committed, prefix):]
+    window = [t for t in committed[window_start(target, committed, prefix):] if not target.is_special(t)]
     # A newline is a neutral context when the window's last token would merge into the text.
     encoded = encode_after(target, target.text(window), whole) or encode_after(target, b"\n", whole)
     if encoded is None:
