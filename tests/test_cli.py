@@ -87,9 +87,9 @@ def test_generate_streams_greedy_polish_and_reports_json(gemma3):
     code, output = invoke("generate", "Kraków jest", "--target", "gemma3-270m", "--max-tokens", "12", "--json")
     assert code == 0, output
     result = json.loads(output)
-    assert result["generated_tokens"] == len(result["token_ids"]) == 12
+    assert result["metrics"]["generated_tokens"] == len(result["token_ids"]) == 12
     assert result["text"] == gemma3.tokenizer.decode(result["token_ids"])
-    assert not result["chat_template"]  # a base model continues the text as it is
+    assert result["draft"] == "none" and result["spans"] == [[result["text"], False]]
     code, streamed = invoke("generate", "Kraków jest", "--target", "gemma3-270m", "--max-tokens", "12")
     assert streamed.strip() == result["text"].strip()  # greedy: the same text both times
 

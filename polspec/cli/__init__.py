@@ -7,17 +7,27 @@ import sys
 import click
 
 from polspec import __version__
+from polspec.backend import INSTALL_HINT
 from polspec.errors import PolspecError
 
 
 class PolspecGroup(click.Group):
-    """A click group that turns :class:`PolspecError` into one line on stderr and exit code 1."""
+    """A click group that turns :class:`PolspecError` into one line on stderr and exit code 1.
+
+    A missing MLX backend surfaces wherever ``mlx.core`` is first imported; it becomes the
+    same one-line hint as :func:`polspec.backend.setup` gives.
+    """
 
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
         except PolspecError as error:
             click.echo(f"polspec: error: {error}", err=True)
+            sys.exit(1)
+        except ModuleNotFoundError as error:
+            if (error.name or "").split(".")[0] != "mlx":
+                raise
+            click.echo(f"polspec: error: {INSTALL_HINT} ({error})", err=True)
             sys.exit(1)
 
 

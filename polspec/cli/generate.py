@@ -7,8 +7,7 @@ import sys
 
 import click
 
-from polspec.decoding.params import K_POLICIES, MAX_K
-from polspec.decoding.translate import STRATEGIES
+from polspec.decoding.params import K_POLICIES, MAX_K, STRATEGIES
 
 DEFAULT_TARGET = "gemma3-270m"
 

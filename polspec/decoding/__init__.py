@@ -8,6 +8,15 @@ in :mod:`polspec.decoding.autoregressive` and :mod:`polspec.decoding.speculative
 """
 
 from polspec.decoding.params import DecodingParams
-from polspec.decoding.run import GenerationResult, generate, stream
 
 __all__ = ["DecodingParams", "GenerationResult", "generate", "stream"]
+
+
+def __getattr__(name: str):
+    # Loaded on first use: the decoders import MLX, which the CLI must not pay for (or fail
+    # on) just to parse its options.
+    if name in ("GenerationResult", "generate", "stream"):
+        from polspec.decoding import run
+
+        return getattr(run, name)
+    raise AttributeError(f"module 'polspec.decoding' has no attribute {name!r}")

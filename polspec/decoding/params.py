@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from polspec.decoding.translate import STRATEGIES
 from polspec.errors import PolspecError
 
+STRATEGIES = ("aligned", "context", "naive", "none")  # see polspec.decoding.translate
 K_POLICIES = ("heuristic", "confidence")
 MAX_K = 16
 

@@ -28,7 +28,8 @@ from functools import lru_cache
 from transformers import PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-STRATEGIES = ("aligned", "context", "naive", "none")
+from polspec.decoding.params import STRATEGIES
+
 _BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 _WORD_START = re.compile(rb"[ \t\n\r]")
 _PUNCTUATION_END = re.compile(rb"[!-/:-@\[-`{-~]$")
