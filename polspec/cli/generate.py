@@ -74,8 +74,9 @@ def generate(prompt: str, target: str, draft: str, k, strategy: str, prefix: int
     """Generate a continuation of PROMPT, speculatively when a --draft is given.
 
     The output is always the target's: with a draft, every token is still chosen by the
-    target (greedy output equals target-only output token for token), only faster when the
-    draft guesses well. Models with a chat template get PROMPT as a user message; each
+    target (greedy output equals target-only output token for token). It is faster only when
+    the draft is cheap and guesses well; on a CPU with the small offline models it is
+    slower (BENCHMARKS.md has the figures). Models with a chat template get PROMPT as a user message; each
     model renders it with its own template.
 
     \b
