@@ -45,7 +45,13 @@ def encode_prompt(model: LoadedModel, prompt: Prompt, chat: bool) -> list[int]:
         if not has_chat_template(model):
             raise PolspecError(f"{alias} has no chat template; run in raw mode (--raw) or choose another model")
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        return list(model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
+        if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                   for m in messages):
+            raise PolspecError("messages must be objects with a string 'role' and a string 'content'")
+        try:
+            return list(model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
+        except Exception as error:  # the template's own checks (role order, ...) raise jinja errors
+            raise PolspecError(f"{alias}'s chat template refused the messages: {error}") from None
     if not isinstance(prompt, str):
         raise PolspecError("raw mode continues a text; messages need chat mode")
     return model.tokenizer.encode(prompt)
@@ -64,7 +70,9 @@ def stream(
     ``chat=None`` uses the chat template when the target has one. ``metrics`` is filled
     in as decoding goes.
     """
-    if (prompt if isinstance(prompt, str) else "".join(m.get("content", "") for m in prompt)).strip() == "":
+    text = prompt if isinstance(prompt, str) else " ".join(
+        m["content"] for m in prompt if isinstance(m, dict) and isinstance(m.get("content"), str))
+    if not text.strip():
         raise PolspecError("the prompt is empty")
     chat = has_chat_template(target) if chat is None else chat
     target_ids = encode_prompt(target, prompt, chat)

@@ -131,7 +131,7 @@ def generate_speculative(
         if translate:
             translation = translate_draft_to_target(
                 params.strategy, draft_table, target_table, proposal,
-                target_prompt[-params.prefix - 8:] + committed, params.prefix, cap,
+                target_prompt[-params.prefix - 8:] + committed, params.prefix, cap, draft_side.lag,
             )
             candidates = translation.candidates
             metrics.boundary_misses += translation.boundary_miss
@@ -152,10 +152,10 @@ def generate_speculative(
         now = time.perf_counter()
         metrics.verify_s += now - clock
 
+        new = new[: params.max_tokens - len(committed)]
         stop = next((i for i, token in enumerate(new) if token in eos), None)
         if stop is not None:
             new = new[:stop]
-        new = new[: params.max_tokens - len(committed)]
         metrics.rounds += 1
         metrics.draft_tokens += len(proposal)
         metrics.candidates += len(candidates)

@@ -146,7 +146,11 @@ def extend_tokens(table: TokenBytes, ids: list[int], new: bytes, window: int) ->
     # A token of the window would merge into the new text: keep the window, and tokenize
     # the new text after a neutral newline.
     encoded = encode_after(table, b"\n", new)
-    return len(ids), encoded[1] if encoded is not None else table.encode(new)
+    if encoded is not None:
+        return len(ids), encoded[1]
+    # Bytes that are not valid UTF-8 (a sampled target can commit a stray byte): the draft
+    # only needs an approximation of such text.
+    return len(ids), table.tokenizer.encode(new.decode("utf-8", "replace"), add_special_tokens=False)
 
 
 def window_start(table: TokenBytes, ids: list[int], window: int) -> int:
@@ -186,12 +190,15 @@ def translate_draft_to_target(
     committed: list[int],
     prefix: int = 5,
     cap: int | None = None,
+    lag: bytes = b"",
 ) -> Translation:
     """Target token ids standing for the draft's ``proposal``, to be verified by the target.
 
     ``committed`` are the target ids already committed (generated text, possibly preceded
     by prompt ids); ``prefix`` is the context size in target tokens for ``context`` and
-    ``aligned``; ``cap`` bounds the number of candidates. A draft special token (its EOS)
+    ``aligned``; ``cap`` bounds the number of candidates; ``lag`` are committed bytes the
+    draft has not seen yet (part of a character), which its proposal starts by repeating.
+    A draft special token (its EOS)
     ends the proposal: ``aligned`` maps it to the target's EOS when nothing was held back.
     """
     text_ids = proposal
@@ -210,14 +217,14 @@ def translate_draft_to_target(
         return Translation(target.tokenizer.encode(text, add_special_tokens=False)[len(window):][:cap])
     if strategy != "aligned":
         raise ValueError(f"unknown translation strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
-    return _aligned(draft, target, text_ids, special is not None, committed, prefix, cap)
+    return _aligned(draft, target, text_ids, special is not None, committed, prefix, cap, lag)
 
 
 # Letters a word could go on with, to probe whether its last token would re-merge.
 _PROBES = tuple(s.encode() for s in ("a", "e", "i", "o", "y", "ą", "ę", "ó", "ch", "cz", "sz", "rz", "n", "m", "k", "ł", "ś", "ż", "w"))
 
 
-def _stable_prefix(target: TokenBytes, window: list[int], text: bytes, candidates: list[int]) -> list[int]:
+def _stable_prefix(target: TokenBytes, context: bytes, text: bytes, candidates: list[int]) -> list[int]:
     """The candidates that keep their form however the trailing partial word goes on.
 
     The proposal stops inside a word, so the target may tokenize the completed word
@@ -225,7 +232,7 @@ def _stable_prefix(target: TokenBytes, window: list[int], text: bytes, candidate
     """
     stable = len(candidates)
     for probe in _PROBES:
-        encoded = encode_after(target, target.text(window), text + probe)
+        encoded = encode_after(target, context, text + probe)
         ids = encoded[1] if encoded is not None else []
         same = 0
         while same < min(stable, len(ids)) and ids[same] == candidates[same]:
@@ -234,8 +241,11 @@ def _stable_prefix(target: TokenBytes, window: list[int], text: bytes, candidate
     return candidates[:stable]
 
 
-def _aligned(draft, target, text_ids, ended, committed, prefix, cap) -> Translation:
+def _aligned(draft, target, text_ids, ended, committed, prefix, cap, lag) -> Translation:
     proposal = draft.text(text_ids)
+    if not proposal.startswith(lag):
+        return Translation([], held_back=len(proposal))
+    proposal = proposal[len(lag):]
     whole = complete_utf8(proposal)
     if not (ended and whole == proposal):
         whole = whole.rstrip()  # a space belongs to the token of the word after it
@@ -243,12 +253,16 @@ def _aligned(draft, target, text_ids, ended, committed, prefix, cap) -> Translat
         return Translation([], held_back=len(proposal))
     window = [t for t in committed[window_start(target, committed, prefix):] if not target.is_special(t)]
     # A newline is a neutral context when the window's last token would merge into the text.
-    encoded = encode_after(target, target.text(window), whole) or encode_after(target, b"\n", whole)
+    context = target.text(window)
+    encoded = encode_after(target, context, whole)
+    if encoded is None:
+        context = b"\n"
+        encoded = encode_after(target, context, whole)
     if encoded is None:
         return Translation([], boundary_miss=True, held_back=len(proposal))
     window_ids, candidates = encoded
     if not (ended and whole == proposal) and not _PUNCTUATION_END.search(whole):
-        candidates = _stable_prefix(target, window, whole, candidates)
+        candidates = _stable_prefix(target, context, whole, candidates)
     held_back = len(proposal) - len(target.text(candidates))
     if ended and held_back == 0 and target.tokenizer.eos_token_id is not None:
         candidates = candidates + [target.tokenizer.eos_token_id]
