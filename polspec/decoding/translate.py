@@ -246,6 +246,9 @@ def _aligned(draft, target, text_ids, ended, committed, prefix, cap, lag) -> Tra
     if not proposal.startswith(lag):
         return Translation([], held_back=len(proposal))
     proposal = proposal[len(lag):]
+    eos = target.tokenizer.eos_token_id
+    if ended and not proposal:  # the draft's first token was its EOS: propose the target's
+        return Translation([eos] if eos is not None else [])
     whole = complete_utf8(proposal)
     if not (ended and whole == proposal):
         whole = whole.rstrip()  # a space belongs to the token of the word after it
@@ -264,6 +267,6 @@ def _aligned(draft, target, text_ids, ended, committed, prefix, cap, lag) -> Tra
     if not (ended and whole == proposal) and not _PUNCTUATION_END.search(whole):
         candidates = _stable_prefix(target, context, whole, candidates)
     held_back = len(proposal) - len(target.text(candidates))
-    if ended and held_back == 0 and target.tokenizer.eos_token_id is not None:
-        candidates = candidates + [target.tokenizer.eos_token_id]
+    if ended and held_back == 0 and eos is not None:
+        candidates = candidates + [eos]
     return Translation(candidates[:cap], boundary_miss=bool(window) and window_ids != window, held_back=held_back)
