@@ -14,11 +14,10 @@ from dataclasses import dataclass
 from transformers import PreTrainedTokenizerFast
 
 from polspec.decoding.translate import (
-    TokenBytes, complete_utf8, encode_after, extend_tokens, token_bytes, translate_draft_to_target, window_start,
+    RESYNC_WINDOW, TokenBytes, complete_utf8, encode_after, extend_tokens, token_bytes, translate_draft_to_target, window_start,
 )
 
 PROMPT_TOKENS = 4
-RESYNC_WINDOW = 8
 
 
 @dataclass(frozen=True)

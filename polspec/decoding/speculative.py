@@ -31,11 +31,10 @@ from polspec.decoding.params import DecodingParams
 from polspec.decoding.policy import DraftLength
 from polspec.decoding.sampling import token_sampler
 from polspec.decoding.translate import (
-    TokenBytes, common_prefix, complete_utf8, extend_tokens, token_bytes, translate_draft_to_target,
+    RESYNC_WINDOW, TokenBytes, common_prefix, complete_utf8, extend_tokens, token_bytes, translate_draft_to_target,
 )
 from polspec.models.loader import LoadedModel
 
-RESYNC_WINDOW = 8
 
 
 def _hf(loaded: LoadedModel):

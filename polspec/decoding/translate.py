@@ -12,10 +12,10 @@ Strategies for turning a draft's proposal into target candidates (``STRATEGIES``
 - ``naive``: decode the chunk, encode it;
 - ``context``: the study's rule: decode the last ``p`` committed target tokens plus the chunk,
   encode, strip ``p`` tokens by count, unchecked;
-- ``aligned`` (default): raw bytes of the chunk, cut to whole UTF-8 characters and to the last
-  word boundary (the trailing partial word waits for the next round, since completing it can
-  change how it is tokenized), encoded after a window of committed target text and aligned
-  by bytes rather than by count. A round whose window re-encodes to different ids is a
+- ``aligned`` (default): raw bytes of the chunk, cut to whole UTF-8 characters and without a
+  trailing space (it belongs to the next word's token), encoded after a window of committed
+  target text and aligned by bytes rather than by count; when the chunk stops inside a word,
+  the tokens that the word's continuation could re-merge wait for the next round. A round whose window re-encodes to different ids is a
   boundary miss.
 """
 
@@ -32,6 +32,8 @@ from polspec.decoding.params import STRATEGIES
 
 _BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 _WORD_START = re.compile(rb"[ \t\n\r]")
+# Draft tokens of committed text re-tokenized together with new text in each re-sync.
+RESYNC_WINDOW = 8
 _PUNCTUATION_END = re.compile(rb"[!-/:-@\[-`{-~]$")
 
 
@@ -85,12 +87,6 @@ def complete_utf8(data: bytes) -> bytes:
             needed = 2 if lead < 0xE0 else 3 if lead < 0xF0 else 4
             return data if cut >= needed else data[:-cut]
     return data
-
-
-def before_partial_word(data: bytes) -> bytes:
-    """``data`` cut before its trailing word: the part that cannot change when text follows."""
-    starts = [m.start() for m in _WORD_START.finditer(data)]
-    return data[: starts[-1]] if starts else b""
 
 
 def _cumulative(table: TokenBytes, ids: list[int]) -> list[int]:
