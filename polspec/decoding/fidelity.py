@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from transformers import PreTrainedTokenizerFast
 
 from polspec.decoding.translate import (
-    RESYNC_WINDOW, TokenBytes, complete_utf8, encode_after, extend_tokens, token_bytes, translate_draft_to_target, window_start,
+    RESYNC_WINDOW, TokenBytes, complete_utf8, encode_after, extend_tokens, follow_text, token_bytes,
+    translate_draft_to_target, window_start,
 )
 
 PROMPT_TOKENS = 4
@@ -77,9 +78,5 @@ def oracle_fidelity(
         candidates += len(translation.candidates)
         accepted += n
         committed = committed + new
-        added = complete_utf8(lag + target.text(new))
-        lag = (lag + target.text(new))[len(added):]
-        if added:
-            keep, tail = extend_tokens(draft, draft_ids, added, RESYNC_WINDOW)
-            draft_ids = draft_ids[:keep] + tail
+        draft_ids, lag = follow_text(draft, draft_ids, lag, target.text(new))
     return Fidelity(rounds, candidates, accepted, len(committed) - PROMPT_TOKENS)

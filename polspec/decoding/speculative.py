@@ -31,7 +31,7 @@ from polspec.decoding.params import DecodingParams
 from polspec.decoding.policy import DraftLength
 from polspec.decoding.sampling import token_sampler
 from polspec.decoding.translate import (
-    RESYNC_WINDOW, TokenBytes, common_prefix, complete_utf8, extend_tokens, token_bytes, translate_draft_to_target,
+    TokenBytes, common_prefix, follow_text, token_bytes, translate_draft_to_target,
 )
 from polspec.models.loader import LoadedModel
 
@@ -82,11 +82,7 @@ class _DraftSide:
         if self.table is None:
             self.generated = list(committed)
         else:
-            new = complete_utf8(self.lag + committed_bytes)
-            self.lag = (self.lag + committed_bytes)[len(new):]
-            if new:
-                keep, tail = extend_tokens(self.table, self.generated, new, RESYNC_WINDOW)
-                self.generated = self.generated[:keep] + tail
+            self.generated, self.lag = follow_text(self.table, self.generated, self.lag, committed_bytes)
         wanted = self.prompt + self.generated
         common = min(common_prefix(self.sequence[: self.fed], wanted), len(wanted) - 1)
         trim(self.cache, self.fed - common)

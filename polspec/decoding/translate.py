@@ -149,6 +149,20 @@ def extend_tokens(table: TokenBytes, ids: list[int], new: bytes, window: int) ->
     return len(ids), table.tokenizer.encode(new.decode("utf-8", "replace"), add_special_tokens=False)
 
 
+def follow_text(table: TokenBytes, ids: list[int], lag: bytes, new: bytes) -> tuple[list[int], bytes]:
+    """Extend the token sequence ``ids`` by committed bytes ``new``, one tokenizer following another.
+
+    ``lag`` holds committed bytes not yet tokenized (an incomplete character); returns the
+    new sequence and the new lag.
+    """
+    pending = lag + new
+    whole = complete_utf8(pending)
+    if whole:
+        keep, tail = extend_tokens(table, ids, whole, RESYNC_WINDOW)
+        ids = ids[:keep] + tail
+    return ids, pending[len(whole):]
+
+
 def window_start(table: TokenBytes, ids: list[int], window: int) -> int:
     """Start of a window of about ``window`` tokens, moved back to a token that starts a word."""
     start = max(0, len(ids) - window)
