@@ -38,7 +38,7 @@ from polspec.store.migrate import (
 )
 from polspec.store.schema import Batch, Item, Result, metadata
 
-TABLES = {"batches", "items", "results", "alembic_version"}
+TABLES = {"batches", "items", "results", "polspec_meta", "alembic_version"}
 
 
 def sqlite_url(directory: Path) -> str:

@@ -49,9 +49,16 @@ def main() -> None:
 
 
 def _register() -> None:
-    from polspec.cli import db, doctor, generate, models
+    from polspec.cli import control, db, doctor, enqueue, generate, models, results, status, worker
 
     main.add_command(generate.generate)
+    main.add_command(enqueue.enqueue)
+    main.add_command(worker.worker)
+    main.add_command(status.status)
+    main.add_command(results.results)
+    main.add_command(control.recover)
+    main.add_command(control.cancel)
+    main.add_command(control.retry)
     main.add_command(models.models)
     main.add_command(db.db)
     main.add_command(doctor.doctor)

@@ -7,23 +7,7 @@ import sys
 
 import click
 
-from polspec.decoding.params import K_POLICIES, MAX_K, STRATEGIES
-
-DEFAULT_TARGET = "gemma3-270m"
-
-
-class DraftLengthType(click.ParamType):
-    """A number of draft tokens or the name of a draft-length policy."""
-
-    name = "N|" + "|".join(K_POLICIES)
-
-    def convert(self, value, param, ctx):
-        if isinstance(value, int) or value in K_POLICIES:
-            return value
-        try:
-            return int(value)
-        except ValueError:
-            self.fail(f"{value!r} is neither a number from 1 to {MAX_K} nor one of {', '.join(K_POLICIES)}", param, ctx)
+from polspec.cli.options import decoding_options, decoding_params
 
 
 class _Printer:
@@ -53,24 +37,10 @@ class _Printer:
 
 @click.command()
 @click.argument("prompt")
-@click.option("--target", default=DEFAULT_TARGET, show_default=True, help="Model alias whose output you get.")
-@click.option("--draft", default="none", show_default=True, help="Draft model alias, or none for target-only decoding.")
-@click.option("--k", "k", default="2", show_default=True, type=DraftLengthType(),
-              help="Draft tokens per round, or a policy: heuristic (adapts to acceptance), confidence (stops when the draft is unsure).")
-@click.option("--strategy", default="aligned", show_default=True, type=click.Choice(STRATEGIES),
-              help="How draft tokens become target tokens when the tokenizers differ.")
-@click.option("--prefix", default=5, show_default=True, type=int, help="Committed target tokens of context for translation.")
-@click.option("--max-tokens", default=128, show_default=True, type=int, help="Tokens to generate at most.")
-@click.option("--temperature", default=0.0, show_default=True, type=float, help="0 is greedy decoding.")
-@click.option("--top-p", default=1.0, show_default=True, type=float, help="Nucleus sampling mass, in (0, 1].")
-@click.option("--top-k", default=0, show_default=True, type=int, help="Sample among the k likeliest tokens (0: off).")
-@click.option("--seed", type=int, help="Random seed for sampling.")
-@click.option("--raw", is_flag=True, help="Continue PROMPT as plain text instead of applying the chat templates.")
+@decoding_options
 @click.option("--show-accepted", is_flag=True, help="Mark text the target accepted from the draft.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object: text, token ids, spans, metrics.")
-def generate(prompt: str, target: str, draft: str, k, strategy: str, prefix: int, max_tokens: int,
-             temperature: float, top_p: float, top_k: int, seed: int | None, raw: bool,
-             show_accepted: bool, as_json: bool) -> None:
+def generate(prompt: str, target: str, draft: str, raw: bool, show_accepted: bool, as_json: bool, **options) -> None:
     """Generate a continuation of PROMPT, speculatively when a --draft is given.
 
     The output is always the target's: with a draft, every token is still chosen by the
@@ -85,13 +55,11 @@ def generate(prompt: str, target: str, draft: str, k, strategy: str, prefix: int
       polspec generate "Kraków jest" --target gemma3-270m --draft smollm2-135m --show-accepted
       polspec generate "Napisz haiku o Wiśle." --target qwen2.5-coder-1.5b --draft gemma3-270m --raw --json
     """
-    from polspec.decoding import DecodingParams
     from polspec.decoding.metrics import DecodeMetrics
     from polspec.decoding.run import generate as generate_text, stream
     from polspec.models.loader import load_model
 
-    params = DecodingParams(max_tokens=max_tokens, k=k, strategy=strategy, prefix=prefix, temperature=temperature,
-                            top_p=top_p, top_k=top_k, seed=seed)
+    params = decoding_params(options)
     target_model = load_model(target)
     draft_model = None if draft == "none" else load_model(draft)
     chat = False if raw else None

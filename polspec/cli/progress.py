@@ -1,8 +1,9 @@
-"""A rich progress bar that library code reports to through a ``ProgressFn`` callback."""
+"""Rich progress bars: one that library code reports to through a ``ProgressFn`` callback, and
+one over the batches in the database that the worker redraws after each job."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from rich.console import Console
@@ -29,3 +30,37 @@ def progress_bar(title: str) -> Iterator[ProgressFn]:
             progress.update(task, description=description, completed=done, total=total)
 
         yield report
+
+
+@contextmanager
+def batch_bar() -> Iterator[Callable[[], None]]:
+    """Yield a callback that redraws one bar over the unfinished batches, from the database.
+
+    The bar covers the batches that were queued or running when it started. Off a terminal
+    nothing is drawn.
+    """
+    from polspec.store.engine import make_engine
+    from polspec.store.queries import batch_progress
+
+    console = Console(stderr=True)
+    if not console.is_terminal:
+        yield lambda: None
+        return
+    engine = make_engine()
+    watched = [batch.id for batch in batch_progress(engine) if batch.status in ("queued", "running")]
+    columns = (TextColumn("[bold]items[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
+               TimeElapsedColumn())
+    with Progress(*columns, console=console) as progress:
+        task = progress.add_task("", total=None)
+
+        def redraw() -> None:
+            batches = [batch for batch in batch_progress(engine) if batch.id in watched]
+            failed = sum(batch.counts.get("failed", 0) for batch in batches)
+            speed = [batch.tokens_per_s for batch in batches if batch.tokens_per_s]
+            description = (f"{failed} failed " if failed else "") + (f"{speed[0]:.1f} tok/s" if speed else "")
+            progress.update(task, total=sum(b.total for b in batches), completed=sum(b.finished for b in batches),
+                            description=description)
+
+        redraw()
+        yield redraw
+    engine.dispose()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from polspec import backend  # noqa: F401  (before mlx: the Linux BLAS fix)
@@ -91,15 +91,26 @@ def stream(
 
 
 def generate(
-    target: LoadedModel, draft: LoadedModel | None, prompt: Prompt, params: DecodingParams, chat: bool | None = None
+    target: LoadedModel,
+    draft: LoadedModel | None,
+    prompt: Prompt,
+    params: DecodingParams,
+    chat: bool | None = None,
+    on_commit: Callable[[int, DecodeMetrics], None] | None = None,
 ) -> GenerationResult:
-    """Decode ``prompt`` to the end and return the text, ids, draft spans and metrics."""
+    """Decode ``prompt`` to the end and return the text, ids, draft spans and metrics.
+
+    ``on_commit(tokens so far, metrics)`` runs after every round; an exception it raises
+    stops decoding (the worker cancels this way).
+    """
     metrics = DecodeMetrics()
     tokens: list[int] = []
     marks: list[bool] = []
     for commit in stream(target, draft, prompt, params, metrics, chat):
         tokens += commit.tokens
         marks += [i < commit.drafted for i in range(len(commit.tokens))]
+        if on_commit is not None:
+            on_commit(len(tokens), metrics)
     return GenerationResult(target.tokenizer.decode(tokens), tokens, _spans(target, tokens, marks), metrics)
 
 

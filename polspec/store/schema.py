@@ -8,6 +8,9 @@ The database is the record of every batch; Redis only delivers work. Contract:
 - ``items``: one row per prompt, keyed by the caller's ``item_key``, unique within its batch;
   resuming and retrying go by this key, never by prompt text. An item has a ``prompt`` or
   chat ``messages`` (at least one, enforced by the database).
+- ``polspec_meta``: facts about the database itself; ``database_id`` is a random id made
+  when the schema is created. Job ids carry it, so a worker never runs a job that was
+  enqueued against another database sharing its Redis.
 - ``results``: at most one row per item (``item_id`` is unique), so a retried item can never
   produce two results. Raw outputs (``text``, ``token_ids``) are kept apart from ``metrics``
   so metrics can be recomputed without regenerating. Energy is either measured (joules with
@@ -106,6 +109,15 @@ class Base(DeclarativeBase):
 metadata = Base.metadata
 
 
+class Meta(Base):
+    """One fact about the database (``database_id``), as a key and a text value."""
+
+    __tablename__ = "polspec_meta"
+
+    key: Mapped[str] = mapped_column(primary_key=True)
+    value: Mapped[str] = mapped_column(Text)
+
+
 class Batch(Base):
     """One enqueued batch: a generation run over a prompt set, or an evaluation sweep.
 
@@ -136,7 +148,9 @@ class Item(Base):
 
     ``params`` holds the item's full decoding parameters (batch defaults merged with the
     item's own). ``attempts`` counts the times a worker started it; ``last_error`` is the
-    reason of the latest failure; ``worker_host`` the host that last took it.
+    reason of the latest failure; ``worker_host`` and ``worker_pid`` the process that last
+    took it, so a restarted worker on the same host can tell that a running item's worker died;
+    ``heartbeat_at`` is the running worker's lease, renewed while it runs (see ``store.items``).
     """
 
     __tablename__ = "items"
@@ -158,6 +172,8 @@ class Item(Base):
     attempts: Mapped[int] = mapped_column(default=0)
     last_error: Mapped[str | None] = mapped_column(Text)
     worker_host: Mapped[str | None]
+    worker_pid: Mapped[int | None]
+    heartbeat_at: Mapped[datetime | None]
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
     started_at: Mapped[datetime | None]

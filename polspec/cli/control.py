@@ -1,0 +1,61 @@
+"""``polspec recover``, ``polspec cancel`` and ``polspec retry``: steer batches from the database."""
+
+from __future__ import annotations
+
+import click
+
+
+def _connections():
+    from polspec.jobs.queue import connect
+    from polspec.store.engine import make_engine
+    from polspec.store.migrate import ensure_schema
+
+    connection = connect()
+    ensure_schema()
+    return make_engine(), connection
+
+
+@click.command()
+@click.option("--batch", "batch_id", type=int, help="Only this batch.")
+def recover(batch_id: int | None) -> None:
+    """Re-enqueue unfinished items that no queued job will finish (after Redis lost its data,
+    or a worker died). Safe to run at any time: items never run twice. Workers run it at start.
+    """
+    from polspec.jobs.control import recover as recover_items
+
+    engine, connection = _connections()
+    report = recover_items(engine, connection, batch_id)
+    engine.dispose()
+    if not report.total:
+        click.echo("nothing to recover: every unfinished item has a job")
+        return
+    reasons = ", ".join(f"{count} {reason}" for reason, count in report.reasons.items())
+    click.echo(f"re-enqueued {report.total} items ({reasons}); run polspec worker to finish them")
+
+
+@click.command()
+@click.argument("batch_id", type=int)
+def cancel(batch_id: int) -> None:
+    """Cancel a batch: queued items are dropped, running ones stop after their current round.
+
+    Finished results are kept. `polspec retry BATCH --failed` does not bring cancelled items back.
+    """
+    from polspec.jobs.control import cancel as cancel_batch
+
+    engine, connection = _connections()
+    count = cancel_batch(engine, connection, batch_id)
+    engine.dispose()
+    click.echo(f"batch {batch_id} cancelled ({count} queued items dropped)")
+
+
+@click.command()
+@click.argument("batch_id", type=int)
+@click.option("--failed", is_flag=True, required=True, help="Queue the batch's failed items again.")
+def retry(batch_id: int, failed: bool) -> None:
+    """Queue a batch's failed items again (polspec results list --status failed shows why they failed)."""
+    from polspec.jobs.control import retry_failed
+
+    engine, connection = _connections()
+    count = retry_failed(engine, connection, batch_id)
+    engine.dispose()
+    click.echo(f"batch {batch_id}: {count} failed items queued again" if count else f"batch {batch_id} has no failed items")

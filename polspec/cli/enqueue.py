@@ -1,0 +1,75 @@
+"""``polspec enqueue``: put a batch of prompts on the queue for ``polspec worker``."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from polspec.cli.options import decoding_options, decoding_params
+from polspec.errors import PolspecError
+
+
+@click.group()
+def enqueue() -> None:
+    """Queue work for `polspec worker`; results land in the database (polspec status, results)."""
+
+
+@enqueue.command("generate")
+@click.option("--input", "input_path", metavar="FILE.jsonl|-",
+              help='Prompts, one JSON object per line: {"id": ..., "prompt": ...} or {"id": ..., "messages": [...]}; '
+                   "- reads standard input.")
+@click.option("--dataset", help="A built-in Polish set instead: pl-wiki, pl-instruct or pl-short.")
+@click.option("--limit", type=int, help="Take only the first N prompts.")
+@click.option("--name", help="Name the batch; enqueueing again under the same name adds only new ids.")
+@decoding_options
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object: batch, name, queue, added, existing.")
+def generate(input_path: str | None, dataset: str | None, limit: int | None, name: str | None, target: str,
+             draft: str, raw: bool, as_json: bool, **options) -> None:
+    """Queue one generation per prompt, decoded with the options given.
+
+    Every line is checked before anything is written: a bad line is reported with its file and
+    line number and nothing is queued. A line may set its own max_tokens, k, strategy, prefix,
+    temperature, top_p, top_k or seed.
+
+    \b
+    Examples:
+      polspec enqueue generate --dataset pl-short --limit 12 --draft smollm2-135m
+      polspec enqueue generate --input prompts.jsonl --target qwen2.5-coder-1.5b --draft gemma3-270m --name run1
+      cat prompts.jsonl | polspec enqueue generate --input - --json
+    """
+    from polspec.jobs.datasets import load_dataset
+    from polspec.jobs.enqueue import enqueue_generate
+    from polspec.jobs.spec import GenerateSpec, parse_jsonl
+
+    if (input_path is None) == (dataset is None):
+        raise PolspecError("give exactly one of --input FILE.jsonl (or - for standard input) and --dataset NAME")
+    if limit is not None and limit < 1:
+        raise PolspecError(f"--limit must be at least 1, got {limit}")
+    params = decoding_params(options)
+    if dataset is not None:
+        items, source = load_dataset(dataset, params, limit), f"dataset:{dataset}"
+    else:
+        source = "stdin" if input_path == "-" else input_path
+        items = parse_jsonl(_read_lines(input_path), source, params)[:limit]
+    spec = GenerateSpec(target, None if draft == "none" else draft, params, False if raw else None, source)
+    done = enqueue_generate(spec, items, name)
+    if as_json:
+        click.echo(json.dumps({"batch": done.batch_id, "name": done.name, "queue": done.queue,
+                               "added": done.added, "existing": done.existing}))
+        return
+    label = f"batch {done.batch_id}" + (f" ({done.name})" if done.name else "")
+    already = f", {done.existing} already there" if done.existing else ""
+    click.echo(f"{label}: {done.added} items queued on {done.queue}{already}")
+    click.echo(f"run them with: polspec worker --burst    follow with: polspec status {done.batch_id} --watch")
+
+
+def _read_lines(path: str) -> list[bytes]:
+    if path == "-":
+        return sys.stdin.buffer.read().splitlines()
+    try:
+        with open(path, "rb") as handle:
+            return handle.read().splitlines()
+    except OSError as error:
+        raise PolspecError(f"{path}: {error.strerror}") from None

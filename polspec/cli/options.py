@@ -1,0 +1,58 @@
+"""Options shared by the commands that decode: models, draft length, translation, sampling."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import click
+
+from polspec.decoding.params import K_POLICIES, MAX_K, STRATEGIES
+
+DEFAULT_TARGET = "gemma3-270m"
+
+
+class DraftLengthType(click.ParamType):
+    """A number of draft tokens or the name of a draft-length policy."""
+
+    name = "N|" + "|".join(K_POLICIES)
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int) or value in K_POLICIES:
+            return value
+        try:
+            return int(value)
+        except ValueError:
+            self.fail(f"{value!r} is neither a number from 1 to {MAX_K} nor one of {', '.join(K_POLICIES)}", param, ctx)
+
+
+_OPTIONS = [
+    click.option("--target", default=DEFAULT_TARGET, show_default=True, help="Model alias whose output you get."),
+    click.option("--draft", default="none", show_default=True, help="Draft model alias, or none for target-only decoding."),
+    click.option("--k", "k", default="2", show_default=True, type=DraftLengthType(),
+                 help="Draft tokens per round, or a policy: heuristic (adapts to acceptance), "
+                      "confidence (stops when the draft is unsure)."),
+    click.option("--strategy", default="aligned", show_default=True, type=click.Choice(STRATEGIES),
+                 help="How draft tokens become target tokens when the tokenizers differ."),
+    click.option("--prefix", default=5, show_default=True, type=int, help="Committed target tokens of context for translation."),
+    click.option("--max-tokens", default=128, show_default=True, type=int, help="Tokens to generate at most."),
+    click.option("--temperature", default=0.0, show_default=True, type=float, help="0 is greedy decoding."),
+    click.option("--top-p", default=1.0, show_default=True, type=float, help="Nucleus sampling mass, in (0, 1]."),
+    click.option("--top-k", default=0, show_default=True, type=int, help="Sample among the k likeliest tokens (0: off)."),
+    click.option("--seed", type=int, help="Random seed for sampling."),
+    click.option("--raw", is_flag=True, help="Continue prompts as plain text instead of applying the chat templates."),
+]
+
+
+def decoding_options(command: Callable) -> Callable:
+    """Add the model and decoding options; the command receives them as keyword arguments."""
+    for option in reversed(_OPTIONS):
+        command = option(command)
+    return command
+
+
+def decoding_params(options: dict):
+    """DecodingParams from the parsed options (validated there, with one-line errors)."""
+    from polspec.decoding.params import DecodingParams
+
+    names = ("max_tokens", "k", "strategy", "prefix", "temperature", "top_p", "top_k", "seed")
+    return DecodingParams(**{name: options[name] for name in names})

@@ -1,0 +1,181 @@
+"""``polspec results``: list, show, export and query what the workers stored."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from polspec.errors import PolspecError
+from polspec.store.schema import Status
+
+
+@click.group()
+def results() -> None:
+    """Look at the stored results: every item of every batch, with its metrics (POLSPEC_DB_URL)."""
+
+
+def _engine(readonly: bool = False):
+    from polspec.store.engine import make_engine
+    from polspec.store.migrate import ensure_schema
+
+    ensure_schema()
+    return make_engine(readonly=readonly)
+
+
+@results.command("list")
+@click.option("--batch", "batch_id", type=int, help="Only this batch.")
+@click.option("--status", type=click.Choice([status.value for status in Status]), help="Only items in this state.")
+@click.option("--limit", default=20, show_default=True, type=int, help="Show at most N items (0: all).")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per item and line.")
+def list_command(batch_id: int | None, status: str | None, limit: int, as_json: bool) -> None:
+    """Items with their status, the start of their text, speed and acceptance.
+
+    \b
+    Examples:
+      polspec results list --batch 3
+      polspec results list --status failed
+    """
+    from polspec.store.queries import item_rows
+
+    engine = _engine()
+    rows = list(item_rows(engine, batch_id, status, limit or None))
+    engine.dispose()
+    if as_json:
+        for row in rows:
+            click.echo(json.dumps(row, ensure_ascii=False))
+        return
+    if not rows:
+        click.echo("no items match")
+        return
+    table = Table()
+    for heading in ("batch", "id", "status", "text", "tokens", "tok/s", "accept"):
+        table.add_column(heading, overflow="fold" if heading == "text" else "ellipsis")
+    for row in rows:
+        text = row["text"] if row["text"] is not None else (row["error"] or "")
+        table.add_row(str(row["batch"]), row["id"], row["status"], " ".join(text.split())[:80],
+                      _number(row["generated_tokens"], "{}"), _number(row["decode_tokens_per_s"], "{:.1f}"),
+                      _number(row["acceptance_rate"], "{:.0%}"))
+    Console().print(table)
+
+
+@results.command("show")
+@click.argument("batch_id", type=int)
+@click.argument("item_id")
+@click.option("--json", "as_json", is_flag=True, help="Everything stored, as one JSON object.")
+def show_command(batch_id: int, item_id: str, as_json: bool) -> None:
+    """One item of a batch, by the id it was enqueued with: prompt, text, metrics, provenance."""
+    from polspec.store.queries import item_detail
+
+    engine = _engine()
+    detail = item_detail(engine, batch_id, item_id)
+    engine.dispose()
+    if as_json:
+        click.echo(json.dumps(detail, ensure_ascii=False))
+        return
+    click.echo(f"batch {batch_id} item {detail['id']}: {detail['status']} after {detail['attempts']} attempt(s)")
+    click.echo(f"prompt: {detail['prompt'] if detail['prompt'] is not None else json.dumps(detail['messages'], ensure_ascii=False)}")
+    if detail.get("error"):
+        click.echo(f"error: {detail['error']}")
+    if "text" in detail:
+        click.echo(f"text: {detail['text']}")
+        metrics = detail["metrics"]
+        shown = {key: metrics.get(key) for key in ("generated_tokens", "decode_tokens_per_s", "acceptance_per_candidate",
+                                                    "tokens_per_round", "rounds", "prefill_s", "decode_s")}
+        click.echo("metrics: " + ", ".join(f"{key}={value:.3g}" if isinstance(value, float) else f"{key}={value}"
+                                            for key, value in shown.items() if value is not None))
+        energy = (f"{detail['energy_joules']:.3g} J ({detail['energy_source']})" if detail["energy_joules"] is not None
+                  else f"unavailable: {detail['energy_unavailable_reason']}")
+        click.echo(f"energy: {energy}")
+        click.echo(f"ran on: {detail['backend']}/{detail['device']}, {detail['worker_host']}")
+
+
+@results.command("export")
+@click.argument("batch_id", type=int)
+@click.option("--format", "fmt", type=click.Choice(["csv", "jsonl"]), default="jsonl", show_default=True)
+@click.option("--output", type=click.Path(dir_okay=False, path_type=Path), help="Write here instead of standard output.")
+def export_command(batch_id: int, fmt: str, output: Path | None) -> None:
+    """Every item of a batch with its text and metrics, as CSV or JSONL (UTF-8).
+
+    CSV starts with a byte-order mark so that spreadsheets show Polish letters correctly;
+    messages are a JSON string in their column. A file is written whole or not at all.
+
+    \b
+    Examples:
+      polspec results export 3 --format csv --output wyniki.csv
+      polspec results export 3 > wyniki.jsonl
+    """
+    from polspec.store.queries import EXPORT_COLUMNS, batch_progress, item_rows
+
+    engine = _engine()
+    batch_progress(engine, batch_id)  # an unknown batch is an error, not an empty file
+    rows = item_rows(engine, batch_id)
+    if output is None:
+        _write(sys.stdout, rows, fmt, EXPORT_COLUMNS, bom=False)
+    else:
+        directory = output.resolve().parent
+        if not directory.is_dir():
+            raise PolspecError(f"{output}: directory {directory} does not exist")
+        handle = tempfile.NamedTemporaryFile("w", encoding="utf-8", newline="", dir=directory,
+                                             prefix=f".{output.name}.", delete=False)
+        try:
+            with handle:
+                _write(handle, rows, fmt, EXPORT_COLUMNS, bom=fmt == "csv")
+            os.replace(handle.name, output)
+        except BaseException:
+            os.unlink(handle.name)
+            raise
+        click.echo(f"wrote {output}", err=True)
+    engine.dispose()
+
+
+def _write(handle, rows, fmt: str, columns: tuple[str, ...], bom: bool) -> None:
+    if fmt == "jsonl":
+        for row in rows:
+            handle.write(json.dumps(row, ensure_ascii=False) + "\n")
+        return
+    if bom:
+        handle.write("\ufeff")
+    writer = csv.DictWriter(handle, fieldnames=columns)
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({**row, "messages": json.dumps(row["messages"], ensure_ascii=False) if row["messages"] else ""})
+
+
+@results.command("sql")
+@click.argument("query")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per row and line.")
+def sql_command(query: str, as_json: bool) -> None:
+    """Run one SQL query on a read-only connection (tables: batches, items, results).
+
+    \b
+    Examples:
+      polspec results sql "SELECT status, count(*) FROM items GROUP BY status"
+      polspec results sql "SELECT avg(acceptance_rate) FROM results" --json
+    """
+    from polspec.store.queries import run_sql
+
+    engine = _engine(readonly=True)
+    columns, rows = run_sql(engine, query)
+    engine.dispose()
+    if as_json:
+        for row in rows:
+            click.echo(json.dumps(dict(zip(columns, row, strict=True)), ensure_ascii=False, default=str))
+        return
+    table = Table()
+    for column in columns:
+        table.add_column(column)
+    for row in rows:
+        table.add_row(*("" if value is None else str(value) for value in row))
+    Console().print(table)
+
+
+def _number(value, pattern: str) -> str:
+    return "-" if value is None else pattern.format(value)

@@ -1,0 +1,79 @@
+"""``polspec status``: progress of the batches, read from the database (not from Redis)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import click
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from polspec.store.queries import BatchProgress
+
+
+@click.command()
+@click.argument("batch_id", type=int, required=False)
+@click.option("--watch", is_flag=True, help="Keep refreshing until every shown batch has finished (Ctrl+C stops).")
+@click.option("--interval", default=2.0, show_default=True, help="Seconds between refreshes with --watch.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per batch and line.")
+def status(batch_id: int | None, watch: bool, interval: float, as_json: bool) -> None:
+    """Show every batch (newest first), or one: items done, failed, running, queued, speed, time left.
+
+    \b
+    Examples:
+      polspec status
+      polspec status 3 --watch
+      polspec status --json | jq .done
+    """
+    from polspec.store.engine import make_engine
+    from polspec.store.migrate import ensure_schema
+    from polspec.store.queries import batch_progress
+
+    ensure_schema()
+    engine = make_engine()
+    try:
+        if as_json:
+            for batch in batch_progress(engine, batch_id):
+                click.echo(json.dumps(batch.as_dict(), ensure_ascii=False))
+            return
+        console = Console()
+        batches = batch_progress(engine, batch_id)
+        if not watch:
+            console.print(_table(batches))
+            return
+        with Live(_table(batches), console=console, auto_refresh=False) as live:
+            while any(batch.status in ("queued", "running") for batch in batches):
+                time.sleep(interval)
+                batches = batch_progress(engine, batch_id)
+                live.update(_table(batches), refresh=True)
+    finally:
+        engine.dispose()
+
+
+def _table(batches: list[BatchProgress]) -> Table | str:
+    if not batches:
+        return "no batches yet: polspec enqueue generate --help shows how to add one"
+    table = Table(title="polspec batches")
+    for heading in ("batch", "name", "status", "models", "progress", "done", "failed", "running", "queued",
+                    "tok/s", "ETA"):
+        table.add_column(heading, justify="right" if heading in ("batch", "done", "failed", "running", "queued",
+                                                                 "tok/s") else "left")
+    for batch in batches:
+        share = batch.finished / batch.total if batch.total else 0.0
+        bar = "█" * round(share * 12) + "░" * (12 - round(share * 12))
+        models = batch.target + (f" + {batch.draft}" if batch.draft else "")
+        speed = f"{batch.tokens_per_s:.1f}" if batch.tokens_per_s else "-"
+        table.add_row(str(batch.id), batch.name or "", batch.status, models, f"{bar} {share:4.0%}",
+                      *(str(batch.counts.get(s, 0)) for s in ("done", "failed", "running", "queued")),
+                      speed, _duration(batch.eta_s))
+    return table
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"

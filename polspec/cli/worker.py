@@ -1,0 +1,43 @@
+"""``polspec worker``: serve queued items with models kept resident."""
+
+from __future__ import annotations
+
+import click
+
+
+@click.command()
+@click.option("--burst", is_flag=True, help="Stop when the queues are empty instead of waiting for more work.")
+@click.option("--queue", "queues", multiple=True, metavar="MODEL|QUEUE",
+              help="Serve only this target model's queue (repeatable). Default: every polspec queue.")
+@click.option("--log-level", default="WARNING", show_default=True,
+              type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]), help="RQ's log output on stderr.")
+def worker(burst: bool, queues: tuple[str, ...], log_level: str) -> None:
+    """Run queued generations, one at a time, writing each result to the database.
+
+    Models stay loaded between jobs. At start the worker re-enqueues items whose worker died.
+    Ctrl+C (or SIGTERM) finishes the current item and stops; a second one stops at once
+    (the item is then run again by the next worker).
+
+    \b
+    Examples:
+      polspec worker --burst                 run everything queued, then stop
+      polspec worker --queue gemma3-270m     serve one target model, wait for more
+    """
+    from polspec.cli.progress import batch_bar
+    from polspec.store.migrate import require_current_schema
+    from polspec.jobs.control import Requeued
+    from polspec.worker.run import WorkerOptions, run_worker
+
+    def started(requeued: Requeued, names: list[str]) -> None:
+        if requeued.total:
+            reasons = ", ".join(f"{count} {reason}" for reason, count in requeued.reasons.items())
+            click.echo(f"re-enqueued {requeued.total} unfinished items ({reasons})", err=True)
+        if not names:
+            click.echo("no polspec queues yet: enqueue work with polspec enqueue generate", err=True)
+        else:
+            click.echo(f"serving {', '.join(names)}" + (" until empty" if burst else ""), err=True)
+
+    require_current_schema()
+    with batch_bar() as redraw:
+        run_worker(WorkerOptions(queues=queues, burst=burst, log_level=log_level), on_start=started,
+                   on_job_end=redraw)

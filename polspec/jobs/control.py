@@ -1,0 +1,130 @@
+"""Bring Redis back in line with the database: recover, cancel, retry.
+
+The database is the record; Redis only delivers. Whatever Redis lost (a flush, a restart
+without AOF, a worker killed mid-job), :func:`recover` finds the unfinished items and
+re-enqueues those whose job cannot finish on its own:
+
+- a *running* item whose worker is gone (dead pid on this host, or a lease that ran out) goes
+  back to queued and gets a fresh job;
+- a *queued* item gets a fresh job when its job is missing, already ended, or not in its queue.
+
+Items of cancelled batches are left alone. Re-enqueueing replaces the item's job (the job id is
+deterministic), so running recover twice never delivers an item twice.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import redis
+from rq.job import JobStatus
+from sqlalchemy import Engine, select, update
+
+from polspec.errors import PolspecError
+from polspec.jobs.queue import delete_jobs, enqueue_items, fetch_jobs, job_id, make_queue, queue_name
+from polspec.store.engine import session_scope
+from polspec.store.items import DEFAULT_LEASE_S, Worker, database_id, owner_gone
+from polspec.store.schema import Batch, Item, Status, utcnow
+
+_WAITING = {JobStatus.QUEUED, JobStatus.DEFERRED, JobStatus.SCHEDULED}
+
+
+@dataclass
+class Requeued:
+    """Items given a fresh job, by the reason they needed one."""
+
+    reasons: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+    @property
+    def total(self) -> int:
+        return sum(self.reasons.values())
+
+
+def recover(engine: Engine, connection: redis.Redis, batch_id: int | None = None,
+            me: Worker | None = None, lease_s: float = DEFAULT_LEASE_S) -> Requeued:
+    """Re-enqueue the unfinished items (of one batch, or all) that no job will finish."""
+    me = me or Worker.this_process()
+    db_id = database_id(engine)
+    now = utcnow()
+    query = (select(Item, Batch.spec).join(Batch)
+             .where(Item.status.in_([Status.QUEUED.value, Status.RUNNING.value]),
+                    Batch.status != Status.CANCELLED.value))
+    if batch_id is not None:
+        query = query.where(Item.batch_id == batch_id)
+    with session_scope(engine) as session:
+        rows = session.execute(query).all()
+    jobs = fetch_jobs(connection, [job_id(db_id, item.id) for item, _ in rows])
+    waiting_ids: dict[str, set[str]] = {}
+    report = Requeued()
+    to_enqueue: dict[str, list[tuple[int, int]]] = defaultdict(list)
+    abandoned: list[int] = []
+    for item, spec in rows:
+        name = queue_name(spec["target"])
+        job = jobs[job_id(db_id, item.id)]
+        if item.status == Status.RUNNING.value:
+            if not owner_gone(item, me, now, lease_s):
+                continue
+            reason = "worker gone"
+            abandoned.append(item.id)
+        elif job is None:
+            reason = "job missing"
+        elif job.get_status(refresh=False) in _WAITING:
+            if name not in waiting_ids:
+                waiting_ids[name] = set(make_queue(connection, name).get_job_ids())
+            if job.id in waiting_ids[name]:
+                continue
+            reason = "job not in its queue"
+        elif job.get_status(refresh=False) == JobStatus.STARTED:
+            continue  # claimed by a worker any moment now, or abandoned: RQ retries or fails it
+        else:
+            reason = f"job {job.get_status(refresh=False)}"
+        report.reasons[reason] += 1
+        to_enqueue[name].append((item.id, item.params["max_tokens"]))
+    if abandoned:
+        with session_scope(engine) as session:
+            session.execute(update(Item).where(Item.id.in_(abandoned), Item.status == Status.RUNNING.value)
+                            .values(status=Status.QUEUED.value, last_error="worker stopped while running it"))
+    for name, items in to_enqueue.items():
+        enqueue_items(connection, name, db_id, items)
+    return report
+
+
+def cancel(engine: Engine, connection: redis.Redis | None, batch_id: int) -> int:
+    """Cancel a batch: its queued items are cancelled and their jobs removed; running ones stop
+    at their next round (the worker checks). Returns the number of items cancelled now."""
+    with session_scope(engine) as session:
+        batch = _batch(session, batch_id)
+        batch.status = Status.CANCELLED.value
+        ids = list(session.scalars(select(Item.id).where(Item.batch_id == batch_id,
+                                                         Item.status == Status.QUEUED.value)))
+        session.execute(update(Item).where(Item.id.in_(ids))
+                        .values(status=Status.CANCELLED.value, finished_at=utcnow()))
+    if connection is not None and ids:
+        db_id = database_id(engine)
+        delete_jobs(connection, [job_id(db_id, item_id) for item_id in ids])
+    return len(ids)
+
+
+def retry_failed(engine: Engine, connection: redis.Redis, batch_id: int) -> int:
+    """Queue a batch's failed items again (a cancelled batch is reopened for them)."""
+    with session_scope(engine) as session:
+        batch = _batch(session, batch_id)
+        rows = session.execute(select(Item.id, Item.params).where(
+            Item.batch_id == batch_id, Item.status == Status.FAILED.value)).all()
+        session.execute(update(Item).where(Item.id.in_([row.id for row in rows]))
+                        .values(status=Status.QUEUED.value, finished_at=None))
+        if rows:
+            batch.status = Status.QUEUED.value
+        target = batch.spec["target"]
+    if rows:
+        enqueue_items(connection, queue_name(target), database_id(engine),
+                      [(row.id, row.params["max_tokens"]) for row in rows])
+    return len(rows)
+
+
+def _batch(session, batch_id: int) -> Batch:
+    batch = session.get(Batch, batch_id)
+    if batch is None:
+        raise PolspecError(f"no batch {batch_id} (polspec status lists the batches)")
+    return batch

@@ -1,0 +1,113 @@
+"""Redis and RQ as polspec uses them: the connection, queue names, job ids, enqueueing.
+
+Redis only delivers work; the database is the record (see :mod:`polspec.jobs.recovery`).
+Choices, with the reason:
+
+- one queue per target model (``polspec-<alias>``), so a worker keeps one target loaded;
+- one job per item with a deterministic id ``polspec-<database id>-<item id>``: enqueueing an
+  item twice replaces its job instead of adding a second one, and a worker can tell that a job
+  was enqueued against another database sharing the same Redis;
+- RQ's JSON serializer, never pickle: a writable Redis must not be a way to run code;
+- a finite ``job_timeout`` sized from ``max_tokens`` (RQ's 180 s default is wrong both ways);
+- ``Retry(max=RETRIES)`` without an interval, which needs no scheduler process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+from rq import Queue, Retry
+from rq.exceptions import NoSuchJobError
+from rq.job import Job
+from rq.serializers import JSONSerializer
+
+from polspec.errors import PolspecError
+from polspec.settings import redis_url
+
+JOB_FUNCTION = "polspec.jobs.tasks.run_item"
+RETRIES = 2
+# Model loading (first job of a model) plus decoding at a pessimistic 2 s per token.
+JOB_TIMEOUT_BASE_S = 600
+JOB_TIMEOUT_PER_TOKEN_S = 2
+RESULT_TTL_S = 24 * 3600
+FAILURE_TTL_S = 7 * 24 * 3600
+_ENQUEUE_CHUNK = 1000
+
+
+def display_redis_url(url: str) -> str:
+    """The URL without its password, for messages."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.netloc.rsplit("@", 1)[1]
+    return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
+
+
+def connect(url: str | None = None) -> redis.Redis:
+    """A checked connection to ``url`` (default ``POLSPEC_REDIS_URL``); unreachable is a one-line error."""
+    url = url or redis_url()
+    try:
+        connection = redis.Redis.from_url(url, socket_connect_timeout=5, health_check_interval=30)
+        connection.ping()
+    except ValueError as error:
+        raise PolspecError(f"not a Redis URL: {display_redis_url(url)} ({error})") from None
+    except redis.RedisError as error:
+        raise PolspecError(f"Redis at {display_redis_url(url)} is not reachable: {error} "
+                           "(start redis-server, or set POLSPEC_REDIS_URL)") from None
+    return connection
+
+
+def queue_name(target: str) -> str:
+    return f"polspec-{target}"
+
+
+def job_id(database_id: str, item_id: int) -> str:
+    return f"polspec-{database_id}-{item_id}"
+
+
+def job_timeout(max_tokens: int) -> int:
+    return JOB_TIMEOUT_BASE_S + JOB_TIMEOUT_PER_TOKEN_S * max_tokens
+
+
+def make_queue(connection: redis.Redis, name: str) -> Queue:
+    return Queue(name, connection=connection, serializer=JSONSerializer)
+
+
+def enqueue_items(connection: redis.Redis, name: str, database_id: str, items: Sequence[tuple[int, int]]) -> None:
+    """Enqueue one job per ``(item id, max_tokens)``, replacing any earlier job of the same item.
+
+    Runs as pipelines of ``_ENQUEUE_CHUNK`` jobs: one round trip per chunk instead of per item.
+    """
+    queue = make_queue(connection, name)
+    for start in range(0, len(items), _ENQUEUE_CHUNK):
+        chunk = items[start:start + _ENQUEUE_CHUNK]
+        delete_jobs(connection, [job_id(database_id, item_id) for item_id, _ in chunk])
+        jobs = [
+            Queue.prepare_data(
+                JOB_FUNCTION, args=(database_id, item_id), job_id=job_id(database_id, item_id),
+                timeout=job_timeout(max_tokens), result_ttl=RESULT_TTL_S, failure_ttl=FAILURE_TTL_S,
+                retry=Retry(max=RETRIES), description=f"item {item_id}",
+            )
+            for item_id, max_tokens in chunk
+        ]
+        with connection.pipeline() as pipeline:
+            queue.enqueue_many(jobs, pipeline=pipeline)
+            pipeline.execute()
+
+
+def fetch_jobs(connection: redis.Redis, ids: Iterable[str]) -> dict[str, Job | None]:
+    ids = list(ids)
+    return dict(zip(ids, Job.fetch_many(ids, connection=connection, serializer=JSONSerializer), strict=True))
+
+
+def delete_jobs(connection: redis.Redis, ids: Iterable[str]) -> None:
+    """Remove jobs from their queue and registries; ids that do not exist are ignored."""
+    for job in fetch_jobs(connection, ids).values():
+        if job is None:
+            continue
+        try:
+            job.delete()
+        except NoSuchJobError:
+            continue

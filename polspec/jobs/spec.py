@@ -1,0 +1,139 @@
+"""What a generation batch asks for, and the prompt lines it is made of, validated at the edge.
+
+A batch is a :class:`GenerateSpec` (target and draft aliases, decoding parameters, chat or raw
+mode) plus a list of :class:`ItemInput`. Prompt files are JSONL, one object per line::
+
+    {"id": "q1", "prompt": "Jaka jest stolica Czech?"}
+    {"id": "q2", "messages": [{"role": "user", "content": "Napisz haiku o Wiśle."}], "max_tokens": 64}
+
+Every line is checked before anything is written; the first problem is raised as one
+:class:`PolspecError` naming the file and line.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from polspec.decoding.params import DecodingParams
+from polspec.errors import PolspecError
+from polspec.models.registry import load_registry
+
+# Decoding parameters a line may set for itself; the rest are per batch.
+ITEM_PARAMS = ("max_tokens", "k", "strategy", "prefix", "temperature", "top_p", "top_k", "seed")
+ITEM_KEYS = ("id", "prompt", "messages", *ITEM_PARAMS)
+
+
+@dataclass(frozen=True)
+class GenerateSpec:
+    """The batch-wide request: which models, how to decode, chat template or raw text.
+
+    ``chat=None`` applies the chat template when the target has one. ``source`` says where the
+    prompts came from (a file name, ``stdin`` or ``dataset:NAME``), for provenance.
+    """
+
+    target: str
+    draft: str | None
+    params: DecodingParams
+    chat: bool | None = None
+    source: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"kind": "generate", "target": self.target, "draft": self.draft, "params": self.params.as_dict(),
+                "chat": self.chat, "source": self.source}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> GenerateSpec:
+        return cls(data["target"], data["draft"], DecodingParams(**data["params"]), data["chat"], data["source"])
+
+
+@dataclass(frozen=True)
+class ItemInput:
+    """One prompt: its key within the batch, the text or messages, and its own parameter overrides."""
+
+    key: str
+    prompt: str | None = None
+    messages: list[dict[str, str]] | None = None
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+    def params(self, base: DecodingParams) -> DecodingParams:
+        return DecodingParams(**(base.as_dict() | self.overrides))
+
+
+def check_models(target: str, draft: str | None) -> None:
+    """Raise for an alias the registry does not know (with close matches), before any work is queued."""
+    registry = load_registry()
+    registry.model(target)
+    if draft is not None:
+        registry.model(draft)
+
+
+def parse_jsonl(lines: Iterable[bytes], source: str, base: DecodingParams) -> list[ItemInput]:
+    """Parse and validate JSONL prompt lines (raw bytes, so bad UTF-8 is reported by line).
+
+    Blank lines are skipped. Raises :class:`PolspecError` "SOURCE:LINE: problem" for the first
+    bad line; ids must be unique; an input with no prompts at all is an error too.
+    """
+    items: list[ItemInput] = []
+    seen: dict[str, int] = {}
+    for number, raw in enumerate(lines, start=1):
+        where = f"{source}:{number}"
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise PolspecError(f"{where}: not UTF-8 (byte 0x{raw[error.start]:02x} at column {error.start + 1})") from None
+        if not line.strip():
+            continue
+        try:
+            data = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise PolspecError(f"{where}: malformed JSON: {error.msg} at column {error.colno}") from None
+        item = parse_item(data, where, base)
+        if item.key in seen:
+            raise PolspecError(f"{where}: duplicate id {item.key!r} (first on line {seen[item.key]})")
+        seen[item.key] = number
+        items.append(item)
+    if not items:
+        raise PolspecError(f"{source}: no prompts in it")
+    return items
+
+
+def parse_item(data: Any, where: str, base: DecodingParams) -> ItemInput:
+    """One prompt object, checked: keys, id, prompt or messages, and its decoding parameters."""
+    if not isinstance(data, dict):
+        raise PolspecError(f"{where}: expected a JSON object, got {type(data).__name__}")
+    unknown = sorted(set(data) - set(ITEM_KEYS))
+    if unknown:
+        raise PolspecError(f"{where}: unknown key {unknown[0]!r} (allowed: {', '.join(ITEM_KEYS)})")
+    key = data.get("id")
+    if isinstance(key, bool) or not isinstance(key, str | int) or not str(key).strip():
+        raise PolspecError(f"{where}: every line needs an 'id' (a non-empty string or a number)")
+    prompt, messages = data.get("prompt"), data.get("messages")
+    if (prompt is None) == (messages is None):
+        raise PolspecError(f"{where}: give exactly one of 'prompt' or 'messages'")
+    if prompt is not None and not isinstance(prompt, str):
+        raise PolspecError(f"{where}: 'prompt' must be a string")
+    if prompt is not None and not prompt.strip():
+        raise PolspecError(f"{where}: the prompt is empty")
+    if messages is not None:
+        _check_messages(messages, where)
+    overrides = {name: data[name] for name in ITEM_PARAMS if name in data}
+    item = ItemInput(str(key), prompt, messages, overrides)
+    try:
+        item.params(base)
+    except (PolspecError, TypeError) as error:
+        raise PolspecError(f"{where}: {error}") from None
+    return item
+
+
+def _check_messages(messages: Any, where: str) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise PolspecError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
+    for index, message in enumerate(messages):
+        if (not isinstance(message, dict) or set(message) != {"role", "content"}
+                or not all(isinstance(value, str) for value in message.values())):
+            raise PolspecError(f"{where}: messages[{index}] must be an object with a string 'role' and 'content'")
+    if not any(message["content"].strip() for message in messages):
+        raise PolspecError(f"{where}: the messages are all empty")

@@ -1,0 +1,151 @@
+"""The RQ job function: generate one item and store its result.
+
+``run_item`` is the only function polspec enqueues (the worker refuses any other). It claims
+the item in the database (see :mod:`polspec.store.items`), runs the decoder library on the
+worker's resident models, and writes the result and the item's status in one transaction.
+
+Failures are sorted by whether trying again can help. A :class:`PolspecError` (the prompt is
+too long for the model, a model cannot load) fails the item at once with its one-line reason
+and the job ends normally: retrying would fail the same way. Anything else (out of memory,
+the job timeout) is recorded on the item and raised again so that RQ retries the job; on the
+last attempt the item is marked failed with the reason.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+import mlx.core as mx
+import redis
+from rq import get_current_job
+
+from polspec import __version__
+from polspec.backend import setup as backend_setup
+from polspec.decoding.metrics import DecodeMetrics
+from polspec.decoding.params import DecodingParams
+from polspec.decoding.run import GenerationResult, generate
+from polspec.errors import PolspecError
+from polspec.jobs.spec import GenerateSpec
+from polspec.models.loader import LoadedModel
+from polspec.store.engine import display_url
+from polspec.store.items import Claim, claim_item, fail_item, finish_item, is_cancelled
+from polspec.store.schema import Result, Status
+from polspec.worker import context
+
+PROGRESS_INTERVAL_S = 1.0
+
+
+class Cancelled(Exception):
+    """The item's batch was cancelled while it ran."""
+
+
+def run_item(database_id: str, item_id: int) -> dict[str, Any]:
+    """Generate item ``item_id`` of database ``database_id``; returns a short summary for RQ."""
+    ctx = context.current()
+    if database_id != ctx.database_id:
+        raise PolspecError(f"job for database {database_id}, but this worker writes to {display_url(ctx.engine.url)} "
+                           f"(database {ctx.database_id}): run the worker with the enqueuer's POLSPEC_DB_URL")
+    claim = claim_item(ctx.engine, item_id, ctx.me, ctx.lease_s)
+    if isinstance(claim, str):
+        return {"item": item_id, "skipped": claim}
+    ctx.current_item = item_id
+    try:
+        result = _generate(ctx, claim)
+    except Cancelled:
+        fail_item(ctx.engine, item_id, ctx.me, "cancelled while running", final=True, status=Status.CANCELLED)
+        return {"item": item_id, "cancelled": True}
+    except PolspecError as error:
+        fail_item(ctx.engine, item_id, ctx.me, str(error), final=True)
+        return {"item": item_id, "failed": str(error)}
+    except Exception as error:
+        job = get_current_job()
+        final = job is None or not job.retries_left
+        fail_item(ctx.engine, item_id, ctx.me, f"{type(error).__name__}: {error}", final=final)
+        raise
+    finally:
+        ctx.current_item = None
+        mx.clear_cache()
+    stored = finish_item(ctx.engine, item_id, ctx.me, result)
+    return {"item": item_id, "stored": stored, "tokens": result.generated_tokens}
+
+
+def _generate(ctx: context.WorkerContext, claim: Claim) -> Result:
+    spec = GenerateSpec.from_dict(claim.spec)
+    params = DecodingParams(**claim.params)
+    load_start = time.perf_counter()
+    target = ctx.models.get(spec.target, keep=(spec.draft,) if spec.draft else ())
+    draft = ctx.models.get(spec.draft, keep=(spec.target,)) if spec.draft else None
+    load_s = time.perf_counter() - load_start
+    prompt = claim.prompt if claim.prompt is not None else claim.messages
+    report = _Progress(ctx, claim.item_id, params.max_tokens)
+    mx.reset_peak_memory()
+    start = time.perf_counter()
+    generation = generate(target, draft, prompt, params, spec.chat, on_commit=report)
+    return _result_row(ctx, spec, target, draft, generation, {
+        "model_load_s": load_s, "generation_s": time.perf_counter() - start, "attempt": claim.attempt,
+    })
+
+
+class _Progress:
+    """Called after every round: checks for cancellation and publishes progress, once a second."""
+
+    def __init__(self, ctx: context.WorkerContext, item_id: int, max_tokens: int):
+        self.ctx, self.item_id, self.max_tokens = ctx, item_id, max_tokens
+        self.job = get_current_job()
+        self.next_check = time.monotonic() + PROGRESS_INTERVAL_S
+
+    def __call__(self, tokens: int, metrics: DecodeMetrics) -> None:
+        if time.monotonic() < self.next_check:
+            return
+        self.next_check = time.monotonic() + PROGRESS_INTERVAL_S
+        if is_cancelled(self.ctx.engine, self.item_id):
+            raise Cancelled
+        if self.job is not None:
+            self.job.meta.update(tokens=tokens, max_tokens=self.max_tokens, rounds=metrics.rounds)
+            try:
+                self.job.save_meta()
+            except redis.RedisError:  # progress is a courtesy; the result does not depend on Redis
+                pass
+
+
+def _result_row(ctx: context.WorkerContext, spec: GenerateSpec, target: LoadedModel, draft: LoadedModel | None,
+                generation: GenerationResult, timings: dict[str, Any]) -> Result:
+    metrics = generation.metrics
+    chosen = backend_setup()
+    return Result(
+        text=generation.text,
+        token_ids=generation.token_ids,
+        metrics=metrics.as_dict() | {"spans": generation.spans},
+        prompt_tokens=metrics.prompt_tokens,
+        generated_tokens=metrics.generated_tokens,
+        decode_tokens_per_s=metrics.decode_tokens_per_s or 0.0,
+        acceptance_rate=metrics.acceptance_per_candidate,
+        energy_joules=None,
+        energy_source=None,
+        energy_unavailable_reason=_energy_reason(ctx),
+        backend=chosen.kind,
+        device=chosen.device,
+        versions=_versions(target, draft),
+        timings=timings | {"prefill_s": metrics.prefill_s, "decode_s": metrics.decode_s,
+                           "finished_at": datetime.now(UTC).isoformat()},
+    )
+
+
+def _energy_reason(ctx: context.WorkerContext) -> str:
+    if ctx.meter.name is None:
+        return ctx.meter.reason
+    return f"polspec does not read the {ctx.meter.name} meter yet"
+
+
+def _versions(target: LoadedModel, draft: LoadedModel | None) -> dict[str, Any]:
+    def model(loaded: LoadedModel | None) -> dict[str, Any] | None:
+        if loaded is None:
+            return None
+        return {"alias": loaded.entry.alias, "source": loaded.entry.source, "sha256": loaded.entry.sha256,
+                "path": str(loaded.path), "dtype": loaded.dtype}
+
+    packages = {name: importlib.metadata.version(name) for name in ("mlx", "mlx-lm", "transformers", "rq")}
+    return {"polspec": __version__, **packages, "target": model(target), "draft": model(draft)}

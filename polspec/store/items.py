@@ -1,0 +1,179 @@
+"""The item lifecycle in the database: create a batch, claim an item, finish or fail it.
+
+The database decides who runs an item, not Redis: a worker *claims* an item in one write
+transaction and keeps a lease on it (``heartbeat_at``) while it runs. An item can be claimed
+when it is queued, or when it is running but its worker is gone: a dead process on this host,
+or a lease older than ``lease_s`` (another host stopped renewing it). So a job that Redis
+delivers twice, or that recovery re-enqueues while its first worker still runs, is skipped,
+and a result is written at most once (the ``results.item_id`` unique key backs this up).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import Engine, select, update
+from sqlalchemy.orm import Session
+
+from polspec.store.engine import session_scope
+from polspec.store.schema import Batch, Item, Meta, Result, Status, utcnow
+
+DEFAULT_LEASE_S = 60.0
+UNFINISHED = (Status.QUEUED.value, Status.RUNNING.value)
+
+
+@dataclass(frozen=True)
+class Worker:
+    """The process that claims items: host name and pid."""
+
+    host: str
+    pid: int
+
+    @classmethod
+    def this_process(cls) -> Worker:
+        return cls(socket.gethostname(), os.getpid())
+
+
+def database_id(engine: Engine) -> str:
+    """The database's random id (made by the migration that created ``polspec_meta``)."""
+    with session_scope(engine) as session:
+        row = session.get(Meta, "database_id")
+        if row is None:  # only if someone deleted it: make a new one rather than fail
+            row = Meta(key="database_id", value=uuid.uuid4().hex[:12])
+            session.add(row)
+        return row.value
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def owner_gone(item: Item, me: Worker, now: datetime, lease_s: float) -> bool:
+    """Whether a running item's worker has stopped: dead on this host, or its lease ran out."""
+    if item.worker_host == me.host and item.worker_pid is not None and item.worker_pid != me.pid:
+        if not pid_alive(item.worker_pid):
+            return True
+    heartbeat = item.heartbeat_at or item.started_at
+    return heartbeat is None or now - heartbeat > timedelta(seconds=lease_s)
+
+
+@dataclass(frozen=True)
+class Claim:
+    """What a worker needs to run an item it claimed."""
+
+    item_id: int
+    item_key: str
+    prompt: str | None
+    messages: list[dict[str, Any]] | None
+    params: dict[str, Any]
+    spec: dict[str, Any]
+    attempt: int
+
+
+def claim_item(engine: Engine, item_id: int, me: Worker, lease_s: float = DEFAULT_LEASE_S) -> Claim | str:
+    """Mark the item running for ``me`` and return it, or return why it is not to be run."""
+    with session_scope(engine) as session:
+        item = _locked_item(session, item_id)
+        if item is None:
+            return f"item {item_id} is not in the database"
+        now = utcnow()
+        if item.batch.status == Status.CANCELLED.value or item.status == Status.CANCELLED.value:
+            return f"item {item_id} is cancelled"
+        if item.status in (Status.DONE.value, Status.FAILED.value):
+            return f"item {item_id} is already {item.status}"
+        mine = item.worker_host == me.host and item.worker_pid == me.pid
+        if item.status == Status.RUNNING.value and not mine and not owner_gone(item, me, now, lease_s):
+            return f"item {item_id} is running on {item.worker_host} (pid {item.worker_pid})"
+        item.status = Status.RUNNING.value
+        item.attempts += 1
+        item.worker_host, item.worker_pid = me.host, me.pid
+        item.started_at = item.heartbeat_at = now
+        item.last_error = None
+        if item.batch.status == Status.QUEUED.value:
+            item.batch.status = Status.RUNNING.value
+        return Claim(item.id, item.item_key, item.prompt, item.messages, dict(item.params), dict(item.batch.spec),
+                     item.attempts)
+
+
+def renew_lease(engine: Engine, item_id: int, me: Worker) -> bool:
+    """Refresh the lease on a running item; False if the item is no longer this worker's."""
+    with session_scope(engine) as session:
+        renewed = session.execute(
+            update(Item)
+            .where(Item.id == item_id, Item.status == Status.RUNNING.value,
+                   Item.worker_host == me.host, Item.worker_pid == me.pid)
+            .values(heartbeat_at=utcnow())
+        ).rowcount
+    return bool(renewed)
+
+
+def is_cancelled(engine: Engine, item_id: int) -> bool:
+    with session_scope(engine) as session:
+        row = session.execute(
+            select(Item.status, Batch.status).join(Batch).where(Item.id == item_id)
+        ).one_or_none()
+    return row is None or Status.CANCELLED.value in row
+
+
+def finish_item(engine: Engine, item_id: int, me: Worker, result: Result) -> bool:
+    """Store the result and mark the item done, in one transaction; False if it was not ours.
+
+    An item that another worker took over or that got a result meanwhile keeps what it has.
+    """
+    with session_scope(engine) as session:
+        item = _locked_item(session, item_id)
+        if item is None or item.status != Status.RUNNING.value or (item.worker_host, item.worker_pid) != (me.host, me.pid):
+            return False
+        if session.scalar(select(Result.id).where(Result.item_id == item_id)) is not None:
+            return False
+        result.item_id = item_id
+        session.add(result)
+        item.status = Status.DONE.value
+        item.finished_at = utcnow()
+        item.last_error = None
+        _settle_batch(session, item.batch)
+        return True
+
+
+def fail_item(engine: Engine, item_id: int, me: Worker, reason: str, *, final: bool,
+              status: Status = Status.FAILED) -> None:
+    """Record a failure. ``final`` marks the item ``status``; otherwise it goes back to queued for a retry."""
+    with session_scope(engine) as session:
+        item = _locked_item(session, item_id)
+        if item is None or item.status != Status.RUNNING.value or (item.worker_host, item.worker_pid) != (me.host, me.pid):
+            return
+        item.last_error = reason
+        item.status = status.value if final else Status.QUEUED.value
+        if final:
+            item.finished_at = utcnow()
+            _settle_batch(session, item.batch)
+
+
+def _locked_item(session: Session, item_id: int) -> Item | None:
+    # FOR UPDATE serialises claims on PostgreSQL; SQLite already holds the write lock (BEGIN IMMEDIATE).
+    return session.scalar(select(Item).where(Item.id == item_id).with_for_update())
+
+
+def _settle_batch(session: Session, batch: Batch) -> None:
+    """Mark the batch done (or failed) once no item of it is queued or running."""
+    session.flush()
+    if batch.status == Status.CANCELLED.value:
+        return
+    statuses = set(session.scalars(select(Item.status).where(Item.batch_id == batch.id).distinct()))
+    if statuses & set(UNFINISHED):
+        batch.status = Status.RUNNING.value
+    elif Status.FAILED.value in statuses:
+        batch.status = Status.FAILED.value
+    else:
+        batch.status = Status.DONE.value

@@ -1,0 +1,161 @@
+"""Read-side queries over the results database: progress per batch, results, exports, raw SQL.
+
+Everything here reads; ``polspec status`` and ``polspec results`` are thin layers over it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import Engine, func, select, text
+
+from polspec.errors import PolspecError
+from polspec.store.engine import session_scope
+from polspec.store.schema import Batch, Item, Result, Status
+
+
+@dataclass
+class BatchProgress:
+    """Where a batch stands: item counts per status, speed so far and the time left."""
+
+    id: int
+    name: str | None
+    kind: str
+    status: str
+    target: str
+    draft: str | None
+    created_at: datetime
+    counts: dict[str, int] = field(default_factory=dict)
+    generated_tokens: int = 0
+    generation_s: float = 0.0
+    first_start: datetime | None = None
+    last_finish: datetime | None = None
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    @property
+    def finished(self) -> int:
+        return sum(self.counts.get(status, 0) for status in (Status.DONE, Status.FAILED, Status.CANCELLED))
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self.generated_tokens / self.generation_s if self.generation_s > 0 else None
+
+    @property
+    def eta_s(self) -> float | None:
+        """Seconds left at the pace of the batch so far (wall clock, so it counts every worker)."""
+        done = self.counts.get(Status.DONE, 0) + self.counts.get(Status.FAILED, 0)
+        left = self.counts.get(Status.QUEUED, 0) + self.counts.get(Status.RUNNING, 0)
+        if not done or not left or self.first_start is None or self.last_finish is None:
+            return None
+        return (self.last_finish - self.first_start).total_seconds() / done * left
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"batch": self.id, "name": self.name, "kind": self.kind, "status": self.status,
+                "target": self.target, "draft": self.draft, "created_at": self.created_at.isoformat(),
+                "total": self.total, **{status.value: self.counts.get(status.value, 0) for status in Status},
+                "generated_tokens": self.generated_tokens, "tokens_per_s": self.tokens_per_s, "eta_s": self.eta_s}
+
+
+def batch_progress(engine: Engine, batch_id: int | None = None) -> list[BatchProgress]:
+    """Progress of one batch, or of every batch (newest first)."""
+    with session_scope(engine) as session:
+        query = select(Batch).order_by(Batch.id.desc())
+        if batch_id is not None:
+            query = query.where(Batch.id == batch_id)
+        batches = {batch.id: BatchProgress(batch.id, batch.name, batch.kind, batch.status, batch.spec.get("target", ""),
+                                           batch.spec.get("draft"), batch.created_at)
+                   for batch in session.scalars(query)}
+        if batch_id is not None and not batches:
+            raise PolspecError(f"no batch {batch_id} (polspec status lists the batches)")
+        ids = list(batches)
+        for batch, status, count in session.execute(
+                select(Item.batch_id, Item.status, func.count()).where(Item.batch_id.in_(ids))
+                .group_by(Item.batch_id, Item.status)):
+            batches[batch].counts[status] = count
+        for batch, tokens, decode_s, first, last in session.execute(
+                select(Item.batch_id, func.sum(Result.generated_tokens),
+                       func.sum(Result.generated_tokens / func.nullif(Result.decode_tokens_per_s, 0)),
+                       func.min(Item.started_at), func.max(Item.finished_at))
+                .join(Result, Result.item_id == Item.id).where(Item.batch_id.in_(ids)).group_by(Item.batch_id)):
+            progress = batches[batch]
+            progress.generated_tokens, progress.generation_s = int(tokens or 0), float(decode_s or 0.0)
+            progress.first_start, progress.last_finish = _aware(first), _aware(last)
+        return list(batches.values())
+
+
+def _aware(value: datetime | None) -> datetime | None:
+    # Aggregates bypass the column type, so SQLite hands back naive UTC (or text) here.
+    if isinstance(value, str):
+        value = datetime.fromisoformat(value)
+    return value if value is None or value.tzinfo else value.replace(tzinfo=UTC)
+
+
+EXPORT_COLUMNS = ("batch", "id", "status", "prompt", "messages", "text", "prompt_tokens", "generated_tokens",
+                  "decode_tokens_per_s", "acceptance_rate", "tokens_per_round", "energy_joules", "energy_source",
+                  "energy_unavailable_reason", "attempts", "error", "worker_host", "backend", "device",
+                  "finished_at")
+
+
+def item_rows(engine: Engine, batch_id: int | None = None, status: str | None = None,
+              limit: int | None = None) -> Iterator[dict[str, Any]]:
+    """One flat row per item (with its result when it has one), in batch and item order."""
+    query = (select(Item, Result).outerjoin(Result, Result.item_id == Item.id).order_by(Item.batch_id, Item.id))
+    if batch_id is not None:
+        query = query.where(Item.batch_id == batch_id)
+    if status is not None:
+        query = query.where(Item.status == status)
+    if limit is not None:
+        query = query.limit(limit)
+    with session_scope(engine) as session:
+        for item, result in session.execute(query):
+            yield {
+                "batch": item.batch_id, "id": item.item_key, "status": item.status, "prompt": item.prompt,
+                "messages": item.messages, "text": result.text if result else None,
+                "prompt_tokens": result.prompt_tokens if result else None,
+                "generated_tokens": result.generated_tokens if result else None,
+                "decode_tokens_per_s": result.decode_tokens_per_s if result else None,
+                "acceptance_rate": result.acceptance_rate if result else None,
+                "tokens_per_round": result.metrics.get("tokens_per_round") if result else None,
+                "energy_joules": result.energy_joules if result else None,
+                "energy_source": result.energy_source if result else None,
+                "energy_unavailable_reason": result.energy_unavailable_reason if result else None,
+                "attempts": item.attempts, "error": item.last_error, "worker_host": item.worker_host,
+                "backend": result.backend if result else None, "device": result.device if result else None,
+                "finished_at": item.finished_at.isoformat() if item.finished_at else None,
+            }
+
+
+def item_detail(engine: Engine, batch_id: int, key: str) -> dict[str, Any]:
+    """Everything stored about one item: input, parameters, status, and its full result."""
+    with session_scope(engine) as session:
+        item = session.scalar(select(Item).where(Item.batch_id == batch_id, Item.item_key == key))
+        if item is None:
+            raise PolspecError(f"batch {batch_id} has no item {key!r}")
+        result = item.result
+        detail = {"batch": batch_id, "id": item.item_key, "status": item.status, "prompt": item.prompt,
+                  "messages": item.messages, "params": item.params, "attempts": item.attempts,
+                  "error": item.last_error, "worker_host": item.worker_host,
+                  "started_at": item.started_at.isoformat() if item.started_at else None,
+                  "finished_at": item.finished_at.isoformat() if item.finished_at else None}
+        if result is not None:
+            detail |= {"text": result.text, "token_ids": result.token_ids, "metrics": result.metrics,
+                       "energy_joules": result.energy_joules, "energy_source": result.energy_source,
+                       "energy_unavailable_reason": result.energy_unavailable_reason,
+                       "backend": result.backend, "device": result.device, "versions": result.versions,
+                       "timings": result.timings}
+        return detail
+
+
+def run_sql(engine: Engine, sql: str) -> tuple[list[str], list[tuple]]:
+    """Run one statement on a read-only engine and return its column names and rows."""
+    with engine.connect() as connection:
+        result = connection.execute(text(sql))
+        if not result.returns_rows:
+            return [], []
+        return list(result.keys()), [tuple(row) for row in result]

@@ -1,0 +1,73 @@
+"""Start a worker: check the database, install the resident state, recover, then work.
+
+``polspec worker`` is a thin layer over :func:`run_worker`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from rq import Queue
+
+from polspec.jobs.control import Requeued, recover
+from polspec.jobs.queue import connect, queue_name
+from polspec.store.engine import make_engine
+from polspec.store.items import DEFAULT_LEASE_S, Worker, database_id
+from polspec.store.migrate import require_current_schema
+from polspec.worker import context
+from polspec.worker.energy import detect_meter
+from polspec.worker.model_cache import ModelCache
+from polspec.worker.worker import HEARTBEAT_GRACE_S, HEARTBEAT_INTERVAL_S, PolspecWorker
+
+QUEUE_PREFIX = queue_name("")
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    """How a worker runs: which queues (model aliases or queue names; all polspec queues when
+    empty), burst mode (stop when the queues are empty), and its timing."""
+
+    queues: Sequence[str] = ()
+    burst: bool = False
+    heartbeat_interval: int = HEARTBEAT_INTERVAL_S
+    heartbeat_grace: int = HEARTBEAT_GRACE_S
+    lease_s: float = DEFAULT_LEASE_S
+    log_level: str = "INFO"
+
+
+def queue_names(connection, wanted: Sequence[str]) -> list[str]:
+    """Queue names for ``wanted`` (aliases or names), or every polspec queue Redis knows."""
+    if wanted:
+        return [name if name.startswith(QUEUE_PREFIX) else queue_name(name) for name in wanted]
+    return sorted(queue.name for queue in Queue.all(connection=connection) if queue.name.startswith(QUEUE_PREFIX))
+
+
+def run_worker(options: WorkerOptions, *, on_start: Callable[[Requeued, list[str]], None] | None = None,
+               on_job_end: Callable[[], None] | None = None, db_url: str | None = None,
+               redis_url: str | None = None) -> bool:
+    """Serve jobs until stopped (or, in burst mode, until the queues are empty).
+
+    Refuses an out-of-date schema. Before the first job it re-enqueues unfinished items whose
+    worker is gone (see :func:`polspec.jobs.control.recover`). Returns whether any job ran.
+    """
+    connection = connect(redis_url)
+    require_current_schema(db_url)
+    engine = make_engine(db_url)
+    me = Worker.this_process()
+    context.install(context.WorkerContext(engine, database_id(engine), ModelCache(), me, detect_meter(),
+                                          options.lease_s))
+    try:
+        requeued = recover(engine, connection, me=me, lease_s=options.lease_s)
+        names = queue_names(connection, options.queues)
+        if on_start is not None:
+            on_start(requeued, names)
+        if not names:
+            return False
+        worker = PolspecWorker(names, connection=connection, heartbeat_interval=options.heartbeat_interval,
+                               heartbeat_grace=options.heartbeat_grace)
+        worker.on_job_end = on_job_end
+        return worker.work(burst=options.burst, logging_level=options.log_level)
+    finally:
+        context.install(None)
+        engine.dispose()
