@@ -6,15 +6,19 @@ one machine fetch them once; tests that inspect or dirty the cache use ``isolate
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import redis
+from sqlalchemy import create_engine, make_url
 
 from polspec import backend  # noqa: F401  (before anything imports mlx: the Linux BLAS fix)
 from polspec.models.loader import LoadedModel, load_model
@@ -53,37 +57,99 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
+class RedisServer:
+    """A real redis-server of our own on a free loopback port, with AOF on like production.
+
+    ``restart`` stops it (the way a reboot does, letting it flush the AOF) and starts it again
+    on the same port and data directory.
+    """
+
+    def __init__(self, data: Path):
+        binary = shutil.which("redis-server")
+        if binary is None:
+            pytest.fail("redis-server is not installed (scripts/test installs it)")
+        self.binary, self.data, self.port = binary, data, _free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.process: subprocess.Popen | None = None
+        self.start()
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(
+            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.data),
+             "--appendonly", "yes", "--appendfsync", "everysec", "--save", "", "--daemonize", "no"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        client = redis.Redis.from_url(self.url)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                return
+            except (redis.ConnectionError, redis.BusyLoadingError):
+                if time.monotonic() > deadline or self.process.poll() is not None:
+                    self.process.kill()
+                    pytest.fail(f"redis-server did not start on port {self.port}")
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            self.process.wait(timeout=10)
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A real redis-server of our own on a free loopback port, with AOF on like production."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.fail("redis-server is not installed (scripts/test installs it)")
-    port = _free_port()
-    data = tmp_path_factory.mktemp("redis")
-    server = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data),
-         "--appendonly", "yes", "--save", "", "--daemonize", "no"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    url = f"redis://127.0.0.1:{port}/0"
-    client = redis.Redis.from_url(url)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            if time.monotonic() > deadline or server.poll() is not None:
-                server.kill()
-                pytest.fail(f"redis-server did not start on port {port}")
-            time.sleep(0.05)
-    yield url
-    server.terminate()
-    server.wait(timeout=10)
+    """One redis-server for the session."""
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    yield server.url
+    server.stop()
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A redis-server for this test alone, for tests that restart or flush it."""
+    data = tmp_path / "redis"
+    data.mkdir()
+    server = RedisServer(data)
+    yield server
+    server.stop()
 
 
 @pytest.fixture
 def closed_port() -> int:
     """A loopback port nothing listens on."""
     return _free_port()
+
+
+def sqlite_url(directory: Path) -> str:
+    """A SQLite URL in a directory that does not exist yet (polspec creates it)."""
+    return f"sqlite:///{directory / 'data' / 'polspec.db'}"
+
+
+@pytest.fixture
+def pg_url() -> Iterator[str]:
+    base = os.environ.get("POLSPEC_TEST_PG_URL")
+    if not base:
+        pytest.skip("POLSPEC_TEST_PG_URL is not set")
+    name = f"polspec_test_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(base, isolation_level="AUTOCOMMIT")
+    with admin.connect() as connection:
+        connection.exec_driver_sql(f'CREATE DATABASE "{name}"')
+    try:
+        yield make_url(base).set(database=name).render_as_string(hide_password=False)
+    finally:
+        with admin.connect() as connection:
+            connection.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        admin.dispose()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A fresh, empty results database: SQLite, and PostgreSQL when POLSPEC_TEST_PG_URL is set."""
+    if request.param == "sqlite":
+        return sqlite_url(tmp_path)
+    return request.getfixturevalue("pg_url")

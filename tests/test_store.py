@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
-import os
 import time
-import uuid
 from collections.abc import Iterator
 from datetime import UTC
 from pathlib import Path
@@ -20,7 +18,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from click.testing import CliRunner
-from sqlalchemy import Engine, create_engine, func, inspect, make_url, select, text
+from sqlalchemy import Engine, func, inspect, select, text
 from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.orm import Session
 
@@ -37,36 +35,9 @@ from polspec.store.migrate import (
     upgrade,
 )
 from polspec.store.schema import Batch, Item, Result, metadata
+from conftest import sqlite_url
 
 TABLES = {"batches", "items", "results", "polspec_meta", "alembic_version"}
-
-
-def sqlite_url(directory: Path) -> str:
-    return f"sqlite:///{directory / 'data' / 'polspec.db'}"
-
-
-@pytest.fixture
-def pg_url() -> Iterator[str]:
-    base = os.environ.get("POLSPEC_TEST_PG_URL")
-    if not base:
-        pytest.skip("POLSPEC_TEST_PG_URL is not set")
-    name = f"polspec_test_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(base, isolation_level="AUTOCOMMIT")
-    with admin.connect() as connection:
-        connection.exec_driver_sql(f'CREATE DATABASE "{name}"')
-    try:
-        yield make_url(base).set(database=name).render_as_string(hide_password=False)
-    finally:
-        with admin.connect() as connection:
-            connection.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        admin.dispose()
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
-        return sqlite_url(tmp_path)
-    return request.getfixturevalue("pg_url")
 
 
 @pytest.fixture

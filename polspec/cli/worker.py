@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import click
 
+from polspec.worker import HEARTBEAT_GRACE_S, HEARTBEAT_INTERVAL_S
+
 
 @click.command()
 @click.option("--burst", is_flag=True, help="Stop when the queues are empty instead of waiting for more work.")
@@ -11,7 +13,11 @@ import click
               help="Serve only this target model's queue (repeatable). Default: every polspec queue.")
 @click.option("--log-level", default="WARNING", show_default=True,
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]), help="RQ's log output on stderr.")
-def worker(burst: bool, queues: tuple[str, ...], log_level: str) -> None:
+@click.option("--heartbeat-interval", default=HEARTBEAT_INTERVAL_S, hidden=True, type=click.IntRange(1),
+              help="Seconds between heartbeats while a job runs.")
+@click.option("--heartbeat-grace", default=HEARTBEAT_GRACE_S, hidden=True, type=click.IntRange(1),
+              help="Seconds a missed heartbeat is forgiven before a job counts as abandoned.")
+def worker(burst: bool, queues: tuple[str, ...], log_level: str, heartbeat_interval: int, heartbeat_grace: int) -> None:
     """Run queued generations, one at a time, writing each result to the database.
 
     Models stay loaded between jobs. At start the worker re-enqueues items whose worker died.
@@ -39,5 +45,6 @@ def worker(burst: bool, queues: tuple[str, ...], log_level: str) -> None:
 
     require_current_schema()
     with batch_bar() as redraw:
-        run_worker(WorkerOptions(queues=queues, burst=burst, log_level=log_level), on_start=started,
-                   on_job_end=redraw)
+        options = WorkerOptions(queues=queues, burst=burst, log_level=log_level,
+                                heartbeat_interval=heartbeat_interval, heartbeat_grace=heartbeat_grace)
+        run_worker(options, on_start=started, on_job_end=redraw)

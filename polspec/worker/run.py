@@ -15,10 +15,10 @@ from polspec.jobs.queue import connect, queue_name
 from polspec.store.engine import make_engine
 from polspec.store.items import DEFAULT_LEASE_S, Worker, database_id
 from polspec.store.migrate import require_current_schema
-from polspec.worker import context
+from polspec.worker import HEARTBEAT_GRACE_S, HEARTBEAT_INTERVAL_S, context
 from polspec.worker.energy import detect_meter
 from polspec.worker.model_cache import ModelCache
-from polspec.worker.worker import HEARTBEAT_GRACE_S, HEARTBEAT_INTERVAL_S, PolspecWorker
+from polspec.worker.worker import PolspecWorker
 
 QUEUE_PREFIX = queue_name("")
 
@@ -49,7 +49,8 @@ def run_worker(options: WorkerOptions, *, on_start: Callable[[Requeued, list[str
     """Serve jobs until stopped (or, in burst mode, until the queues are empty).
 
     Refuses an out-of-date schema. Before the first job it re-enqueues unfinished items whose
-    worker is gone (see :func:`polspec.jobs.control.recover`). Returns whether any job ran.
+    worker is gone (see :func:`polspec.jobs.control.recover`); in burst mode it recovers again
+    when the queues are empty and goes on until nothing is left. Returns whether any job ran.
     """
     connection = connect(redis_url)
     require_current_schema(db_url)
@@ -62,12 +63,18 @@ def run_worker(options: WorkerOptions, *, on_start: Callable[[Requeued, list[str
         names = queue_names(connection, options.queues)
         if on_start is not None:
             on_start(requeued, names)
-        if not names:
-            return False
-        worker = PolspecWorker(names, connection=connection, heartbeat_interval=options.heartbeat_interval,
-                               heartbeat_grace=options.heartbeat_grace)
-        worker.on_job_end = on_job_end
-        return worker.work(burst=options.burst, logging_level=options.log_level)
+        worked = False
+        while names:
+            worker = PolspecWorker(names, connection=connection, heartbeat_interval=options.heartbeat_interval,
+                                   heartbeat_grace=options.heartbeat_grace)
+            worker.on_job_end = on_job_end
+            worked = worker.work(burst=options.burst, logging_level=options.log_level) or worked
+            # A burst worker finishes what the database holds, not only what Redis delivered:
+            # jobs lost while Redis was away are re-enqueued and served before it stops.
+            if not options.burst or worker._stop_requested or not recover(engine, connection, me=me,
+                                                                         lease_s=options.lease_s).total:
+                break
+        return worked
     finally:
         context.install(None)
         engine.dispose()

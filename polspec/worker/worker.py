@@ -30,12 +30,10 @@ from rq.worker import SimpleWorker
 from polspec.errors import PolspecError
 from polspec.jobs.queue import JOB_FUNCTION
 from polspec.store.items import renew_lease
-from polspec.worker import context
+from polspec.worker import HEARTBEAT_GRACE_S, HEARTBEAT_INTERVAL_S, context
 
 log = logging.getLogger("polspec.worker")
 
-HEARTBEAT_INTERVAL_S = 10
-HEARTBEAT_GRACE_S = 60
 REDIS_WAIT_MAX_S = 30.0
 
 

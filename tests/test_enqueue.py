@@ -1,0 +1,208 @@
+"""``polspec enqueue generate``: what it writes, and every bad input refused with nothing written.
+
+Real redis-server (our own, flushed per test) and real SQLite; no models are loaded here.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from pathlib import Path
+
+import pytest
+import redis
+from click.testing import CliRunner
+from sqlalchemy import func, select
+
+from polspec.cli import main
+from polspec.jobs.queue import JOB_TIMEOUT_BASE_S, JOB_TIMEOUT_PER_TOKEN_S, fetch_jobs, job_id
+from polspec.store.engine import make_engine, session_scope
+from polspec.store.items import database_id
+from polspec.store.migrate import upgrade
+from polspec.store.schema import Batch, Item
+
+GOOD = [
+    {"id": "a", "prompt": "Jaka jest stolica Czech?"},
+    {"id": "b", "messages": [{"role": "user", "content": "Napisz haiku o Wiśle."}], "max_tokens": 5},
+    {"id": 3, "prompt": "Ile nóg ma pająk?", "temperature": 0.7, "seed": 1},
+]
+
+
+@pytest.fixture
+def env(tmp_path: Path, redis_url: str) -> dict[str, str]:
+    redis.Redis.from_url(redis_url).flushall()
+    return {"POLSPEC_DB_URL": f"sqlite:///{tmp_path / 'db' / 'polspec.db'}", "POLSPEC_REDIS_URL": redis_url}
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join((row if isinstance(row, str) else json.dumps(row, ensure_ascii=False)) + "\n"
+                            for row in rows), encoding="utf-8")
+    return path
+
+
+def invoke(env: dict[str, str], *args: str, input: bytes | None = None) -> tuple[int, str]:
+    result = CliRunner().invoke(main, ["enqueue", "generate", *args], env=env, input=input)
+    return result.exit_code, result.output
+
+
+def counts(env: dict[str, str]) -> tuple[int, int, int]:
+    """Batches and items in the database, and jobs in Redis."""
+    engine = make_engine(env["POLSPEC_DB_URL"])
+    upgrade(env["POLSPEC_DB_URL"])
+    with session_scope(engine) as session:
+        batches = session.scalar(select(func.count()).select_from(Batch))
+        items = session.scalar(select(func.count()).select_from(Item))
+    engine.dispose()
+    jobs = len(redis.Redis.from_url(env["POLSPEC_REDIS_URL"]).keys("rq:job:*"))
+    return batches, items, jobs
+
+
+def test_enqueue_writes_batch_items_and_one_job_each(env, tmp_path):
+    source = write_jsonl(tmp_path / "prompts.jsonl", GOOD)
+    code, output = invoke(env, "--input", str(source), "--draft", "smollm2-135m", "--max-tokens", "7", "--json")
+    assert code == 0, output
+    reply = json.loads(output)
+    assert reply["added"] == 3 and reply["existing"] == 0 and reply["queue"] == "polspec-gemma3-270m"
+
+    engine = make_engine(env["POLSPEC_DB_URL"])
+    with session_scope(engine) as session:
+        batch = session.get(Batch, reply["batch"])
+        items = {item.item_key: item for item in batch.items}
+        assert batch.spec["draft"] == "smollm2-135m" and batch.spec["source"] == str(source)
+        assert set(items) == {"a", "b", "3"} and {item.status for item in items.values()} == {"queued"}
+        assert items["a"].params["max_tokens"] == 7 and items["b"].params["max_tokens"] == 5
+        assert items["3"].params["temperature"] == 0.7 and items["a"].params["temperature"] == 0.0
+        assert items["b"].messages == GOOD[1]["messages"] and items["b"].prompt is None
+        ids = {key: item.id for key, item in items.items()}
+    jobs = fetch_jobs(redis.Redis.from_url(env["POLSPEC_REDIS_URL"]),
+                      [job_id(database_id(engine), item_id) for item_id in ids.values()])
+    engine.dispose()
+    assert all(job is not None for job in jobs.values())
+    job_b = jobs[job_id(database_id(make_engine(env["POLSPEC_DB_URL"])), ids["b"])]
+    assert job_b.func_name == "polspec.jobs.tasks.run_item" and job_b.retries_left == 2
+    assert job_b.timeout == JOB_TIMEOUT_BASE_S + 5 * JOB_TIMEOUT_PER_TOKEN_S
+    # JSON on the wire (RQ zlib-compresses it), never pickle.
+    raw = redis.Redis.from_url(env["POLSPEC_REDIS_URL"]).hget(f"rq:job:{job_b.id}", "data")
+    assert json.loads(zlib.decompress(raw))[2] == [database_id(make_engine(env["POLSPEC_DB_URL"])), ids["b"]]
+
+
+def test_same_name_adds_only_new_ids(env, tmp_path):
+    source = write_jsonl(tmp_path / "p.jsonl", GOOD)
+    assert invoke(env, "--input", str(source), "--name", "nightly")[0] == 0
+    code, output = invoke(env, "--input", str(source), "--name", "nightly", "--json")
+    assert code == 0 and json.loads(output)["added"] == 0 and json.loads(output)["existing"] == 3
+    more = write_jsonl(tmp_path / "more.jsonl", [*GOOD, {"id": "d", "prompt": "Kto napisał Lalkę?"}])
+    code, output = invoke(env, "--input", str(more), "--name", "nightly", "--json")
+    assert json.loads(output)["added"] == 1 and json.loads(output)["batch"] == 1
+    assert counts(env) == (1, 4, 4)
+    code, output = invoke(env, "--input", str(more), "--name", "nightly", "--k", "3")
+    assert code == 1 and "exists with a different params" in output and output.count("\n") == 1
+
+
+def test_stdin_and_dataset_inputs(env):
+    lines = "\n".join(json.dumps(row, ensure_ascii=False) for row in GOOD).encode()
+    code, output = invoke(env, "--input", "-", "--json", input=lines)
+    assert code == 0 and json.loads(output)["added"] == 3
+    code, output = invoke(env, "--dataset", "pl-short", "--limit", "5", "--json")
+    assert code == 0 and json.loads(output)["added"] == 5
+    assert counts(env) == (2, 8, 8)
+
+
+@pytest.mark.parametrize("dataset", ["pl-wiki", "pl-instruct", "pl-short"])
+def test_built_in_datasets_are_valid_polish_sets_of_at_least_60(dataset):
+    from polspec.decoding.params import DecodingParams
+    from polspec.jobs.datasets import load_dataset
+
+    items = load_dataset(dataset, DecodingParams())
+    assert len(items) >= 60 and len({item.key for item in items}) == len(items)
+    polish = sum(any(letter in item.prompt for letter in "ąćęłńóśźż") for item in items)
+    assert polish > len(items) / 2
+
+
+BAD_LINES = [
+    ('{"id": "a", "prompt": "x"', "p.jsonl:2: malformed JSON"),
+    ('{"id": "a"}', "p.jsonl:2: give exactly one of 'prompt' or 'messages'"),
+    ('{"id": "a", "prompt": "   "}', "p.jsonl:2: the prompt is empty"),
+    ('{"id": "a", "promt": "x"}', "p.jsonl:2: unknown key 'promt'"),
+    ('{"id": "first", "prompt": "x"}', "p.jsonl:2: duplicate id 'first' (first on line 1)"),
+    ('{"prompt": "x"}', "p.jsonl:2: every line needs an 'id'"),
+    ('{"id": "a", "prompt": "x", "k": 0}', "p.jsonl:2: k must be between 1 and 16, got 0"),
+    ('{"id": "a", "prompt": "x", "top_p": 1.5}', "p.jsonl:2: top_p must be in (0, 1], got 1.5"),
+    ('{"id": "a", "prompt": "x", "temperature": "hot"}', "p.jsonl:2:"),
+    ('{"id": "a", "messages": [{"role": "user"}]}', "p.jsonl:2: messages[0] must be an object"),
+    ('["a", "x"]', "p.jsonl:2: expected a JSON object, got list"),
+]
+
+
+@pytest.mark.parametrize(("line", "message"), BAD_LINES)
+def test_a_bad_line_names_file_and_line_and_writes_nothing(env, tmp_path, line, message):
+    source = write_jsonl(tmp_path / "p.jsonl", ['{"id": "first", "prompt": "Dzień dobry"}', line])
+    code, output = invoke(env, "--input", str(source))
+    assert code == 1 and output.startswith(f"polspec: error: {source.parent}/{message}") and output.count("\n") == 1
+    assert counts(env) == (0, 0, 0)
+
+
+def test_non_utf8_input_names_the_line(env, tmp_path):
+    source = tmp_path / "p.jsonl"
+    source.write_bytes(b'{"id": "a", "prompt": "ok"}\n{"id": "b", "prompt": "Krak\xf3w"}\n')
+    code, output = invoke(env, "--input", str(source))
+    assert code == 1 and f"{source}:2: not UTF-8 (byte 0xf3" in output and output.count("\n") == 1
+    assert counts(env) == (0, 0, 0)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--target", "gemma-270m"], "unknown model alias 'gemma-270m'; did you mean gemma3-270m"),
+    (["--draft", "smollm"], "unknown model alias 'smollm'"),
+    (["--k", "0"], "k must be between 1 and 16, got 0"),
+    (["--temperature", "-1"], "temperature must be 0 or more"),
+    (["--top-p", "0"], "top_p must be in (0, 1]"),
+    (["--prefix", "-2"], "prefix must be 0 or more"),
+])
+def test_bad_models_and_options_write_nothing(env, tmp_path, args, message):
+    source = write_jsonl(tmp_path / "p.jsonl", GOOD)
+    code, output = invoke(env, "--input", str(source), *args)
+    assert code == 1 and message in output and output.count("\n") == 1, output
+    assert counts(env) == (0, 0, 0)
+
+
+def test_unknown_dataset_empty_file_and_missing_file(env, tmp_path):
+    code, output = invoke(env, "--dataset", "pl-poezja")
+    assert code == 1 and "unknown dataset 'pl-poezja'; built-in: pl-wiki" in output
+    empty = write_jsonl(tmp_path / "empty.jsonl", ["", "  "])
+    code, output = invoke(env, "--input", str(empty))
+    assert code == 1 and f"{empty}: no prompts in it" in output
+    code, output = invoke(env, "--input", str(tmp_path / "missing.jsonl"))
+    assert code == 1 and "missing.jsonl: No such file or directory" in output
+    code, output = invoke(env, "--input", str(empty), "--dataset", "pl-short")
+    assert code == 1 and "give exactly one of --input" in output
+    assert counts(env) == (0, 0, 0)
+
+
+def test_unreachable_redis_names_the_url_and_creates_no_batch(env, tmp_path, closed_port):
+    source = write_jsonl(tmp_path / "p.jsonl", GOOD)
+    bad = dict(env, POLSPEC_REDIS_URL=f"redis://:sekret@127.0.0.1:{closed_port}/0")
+    code, output = invoke(bad, "--input", str(source))
+    assert code == 1 and output.count("\n") == 1
+    assert f"Redis at redis://:***@127.0.0.1:{closed_port}/0 is not reachable" in output and "sekret" not in output
+    assert counts(env) == (0, 0, 0)
+
+
+def test_database_locked_beyond_the_timeout_is_one_line(env, tmp_path):
+    source = write_jsonl(tmp_path / "p.jsonl", GOOD)
+    upgrade(env["POLSPEC_DB_URL"])
+    holder = make_engine(env["POLSPEC_DB_URL"])
+    with holder.connect() as connection, connection.begin():
+        connection.exec_driver_sql("UPDATE polspec_meta SET value = value")  # holds the write lock
+        code, output = invoke(dict(env, POLSPEC_DB_BUSY_TIMEOUT_MS="200"), "--input", str(source))
+    holder.dispose()
+    assert code == 1 and "database is locked (busy timeout 200 ms" in output and output.count("\n") == 1
+    assert counts(env) == (0, 0, 0)
+
+
+def test_unwritable_data_dir_is_one_line(env, tmp_path):
+    blocker = tmp_path / "not-a-directory"  # a file where the data directory should be: fails even for root
+    blocker.write_text("")
+    source = write_jsonl(tmp_path / "p.jsonl", GOOD)
+    code, output = invoke(dict(env, POLSPEC_DB_URL=f"sqlite:///{blocker / 'x.db'}"), "--input", str(source))
+    assert code == 1 and "cannot create" in output and output.count("\n") == 1
+    assert counts(env) == (0, 0, 0)
