@@ -59,16 +59,16 @@ def counts(env: dict[str, str]) -> tuple[int, int, int]:
 
 def test_enqueue_writes_batch_items_and_one_job_each(env, tmp_path):
     source = write_jsonl(tmp_path / "prompts.jsonl", GOOD)
-    code, output = invoke(env, "--input", str(source), "--draft", "smollm2-135m", "--max-tokens", "7", "--json")
+    code, output = invoke(env, "--input", str(source), "--target", "smollm2-135m", "--max-tokens", "7", "--json")
     assert code == 0, output
     reply = json.loads(output)
-    assert reply["added"] == 3 and reply["existing"] == 0 and reply["queue"] == "polspec-gemma3-270m"
+    assert reply["added"] == 3 and reply["existing"] == 0 and reply["queue"] == "polspec-smollm2-135m"
 
     engine = make_engine(env["POLSPEC_DB_URL"])
     with session_scope(engine) as session:
         batch = session.get(Batch, reply["batch"])
         items = {item.item_key: item for item in batch.items}
-        assert batch.spec["draft"] == "smollm2-135m" and batch.spec["source"] == str(source)
+        assert batch.spec["draft"] is None and batch.spec["source"] == str(source)
         assert set(items) == {"a", "b", "3"} and {item.status for item in items.values()} == {"queued"}
         assert items["a"].params["max_tokens"] == 7 and items["b"].params["max_tokens"] == 5
         assert items["3"].params["temperature"] == 0.7 and items["a"].params["temperature"] == 0.0
@@ -88,20 +88,20 @@ def test_enqueue_writes_batch_items_and_one_job_each(env, tmp_path):
 
 def test_same_name_adds_only_new_ids(env, tmp_path):
     source = write_jsonl(tmp_path / "p.jsonl", GOOD)
-    assert invoke(env, "--input", str(source), "--name", "nightly")[0] == 0
-    code, output = invoke(env, "--input", str(source), "--name", "nightly", "--json")
+    assert invoke(env, "--input", str(source), "--name", "nightly", "--target", "smollm2-135m")[0] == 0
+    code, output = invoke(env, "--input", str(source), "--name", "nightly", "--target", "smollm2-135m", "--json")
     assert code == 0 and json.loads(output)["added"] == 0 and json.loads(output)["existing"] == 3
     more = write_jsonl(tmp_path / "more.jsonl", [*GOOD, {"id": "d", "prompt": "Kto napisał Lalkę?"}])
-    code, output = invoke(env, "--input", str(more), "--name", "nightly", "--json")
+    code, output = invoke(env, "--input", str(more), "--name", "nightly", "--target", "smollm2-135m", "--json")
     assert json.loads(output)["added"] == 1 and json.loads(output)["batch"] == 1
     assert counts(env) == (1, 4, 4)
-    code, output = invoke(env, "--input", str(more), "--name", "nightly", "--k", "3")
+    code, output = invoke(env, "--input", str(more), "--name", "nightly", "--target", "smollm2-135m", "--k", "3")
     assert code == 1 and "exists with a different params" in output and output.count("\n") == 1
 
 
 def test_stdin_and_dataset_inputs(env):
     lines = "\n".join(json.dumps(row, ensure_ascii=False) for row in GOOD).encode()
-    code, output = invoke(env, "--input", "-", "--json", input=lines)
+    code, output = invoke(env, "--input", "-", "--target", "smollm2-135m", "--json", input=lines)
     assert code == 0 and json.loads(output)["added"] == 3
     code, output = invoke(env, "--dataset", "pl-short", "--limit", "5", "--json")
     assert code == 0 and json.loads(output)["added"] == 5
@@ -157,9 +157,10 @@ def test_non_utf8_input_names_the_line(env, tmp_path):
     (["--temperature", "-1"], "temperature must be 0 or more"),
     (["--top-p", "0"], "top_p must be in (0, 1]"),
     (["--prefix", "-2"], "prefix must be 0 or more"),
+    (["--target", "qwen2.5-coder-1.5b", "--draft", "gemma3-270m"], "draft gemma3-270m has no chat template"),
 ])
 def test_bad_models_and_options_write_nothing(env, tmp_path, args, message):
-    source = write_jsonl(tmp_path / "p.jsonl", GOOD)
+    source = write_jsonl(tmp_path / "p.jsonl", GOOD[::2])
     code, output = invoke(env, "--input", str(source), *args)
     assert code == 1 and message in output and output.count("\n") == 1, output
     assert counts(env) == (0, 0, 0)
@@ -178,10 +179,19 @@ def test_unknown_dataset_empty_file_and_missing_file(env, tmp_path):
     assert counts(env) == (0, 0, 0)
 
 
+def test_messages_need_a_chat_template(env, tmp_path):
+    source = write_jsonl(tmp_path / "p.jsonl", GOOD)
+    code, output = invoke(env, "--input", str(source), "--target", "gemma3-270m")
+    assert code == 1 and "item 'b' has messages, but gemma3-270m has no chat template" in output
+    code, output = invoke(env, "--input", str(source), "--target", "smollm2-135m", "--raw")
+    assert code == 1 and "item 'b' has messages, but --raw was given" in output
+    assert counts(env) == (0, 0, 0)
+
+
 def test_unreachable_redis_names_the_url_and_creates_no_batch(env, tmp_path, closed_port):
     source = write_jsonl(tmp_path / "p.jsonl", GOOD)
     bad = dict(env, POLSPEC_REDIS_URL=f"redis://:sekret@127.0.0.1:{closed_port}/0")
-    code, output = invoke(bad, "--input", str(source))
+    code, output = invoke(bad, "--input", str(source), "--target", "smollm2-135m")
     assert code == 1 and output.count("\n") == 1
     assert f"Redis at redis://:***@127.0.0.1:{closed_port}/0 is not reachable" in output and "sekret" not in output
     assert counts(env) == (0, 0, 0)
@@ -193,7 +203,8 @@ def test_database_locked_beyond_the_timeout_is_one_line(env, tmp_path):
     holder = make_engine(env["POLSPEC_DB_URL"])
     with holder.connect() as connection, connection.begin():
         connection.exec_driver_sql("UPDATE polspec_meta SET value = value")  # holds the write lock
-        code, output = invoke(dict(env, POLSPEC_DB_BUSY_TIMEOUT_MS="200"), "--input", str(source))
+        code, output = invoke(dict(env, POLSPEC_DB_BUSY_TIMEOUT_MS="200"), "--input", str(source),
+                              "--target", "smollm2-135m")
     holder.dispose()
     assert code == 1 and "database is locked (busy timeout 200 ms" in output and output.count("\n") == 1
     assert counts(env) == (0, 0, 0)
@@ -203,6 +214,7 @@ def test_unwritable_data_dir_is_one_line(env, tmp_path):
     blocker = tmp_path / "not-a-directory"  # a file where the data directory should be: fails even for root
     blocker.write_text("")
     source = write_jsonl(tmp_path / "p.jsonl", GOOD)
-    code, output = invoke(dict(env, POLSPEC_DB_URL=f"sqlite:///{blocker / 'x.db'}"), "--input", str(source))
+    code, output = invoke(dict(env, POLSPEC_DB_URL=f"sqlite:///{blocker / 'x.db'}"), "--input", str(source),
+                          "--target", "smollm2-135m")
     assert code == 1 and "cannot create" in output and output.count("\n") == 1
     assert counts(env) == (0, 0, 0)

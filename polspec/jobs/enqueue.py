@@ -40,7 +40,7 @@ def enqueue_generate(spec: GenerateSpec, items: list[ItemInput], name: str | Non
     Items whose key the named batch already has are left alone, so enqueueing the same file
     twice under one name adds nothing twice.
     """
-    check_models(spec.target, spec.draft)
+    check_models(spec, items)
     queue_url = queue_url or redis_url()
     connection = connect(queue_url)
     ensure_schema(db_url)

@@ -62,12 +62,21 @@ class ItemInput:
         return DecodingParams(**(base.as_dict() | self.overrides))
 
 
-def check_models(target: str, draft: str | None) -> None:
-    """Raise for an alias the registry does not know (with close matches), before any work is queued."""
+def check_models(spec: GenerateSpec, items: list[ItemInput]) -> None:
+    """Refuse, before anything is queued, what would fail on the worker for every item alike:
+    an alias the registry does not know (with close matches), messages for a model with no chat
+    template, or chat mode for a draft with no chat template."""
     registry = load_registry()
-    registry.model(target)
-    if draft is not None:
-        registry.model(draft)
+    target = registry.model(spec.target)
+    draft = registry.model(spec.draft) if spec.draft is not None else None
+    chat = target.chat_template if spec.chat is None else spec.chat
+    with_messages = next((item.key for item in items if item.messages is not None), None)
+    if with_messages is not None and not chat:
+        reason = "--raw was given" if spec.chat is False else f"{target.alias} has no chat template"
+        raise PolspecError(f"{spec.source}: item {with_messages!r} has messages, but {reason}; give it a 'prompt'")
+    if chat and draft is not None and not draft.chat_template:
+        raise PolspecError(f"draft {draft.alias} has no chat template but {target.alias} runs in chat mode: "
+                           "add --raw, or choose a draft with a chat template")
 
 
 def parse_jsonl(lines: Iterable[bytes], source: str, base: DecodingParams) -> list[ItemInput]:

@@ -1,0 +1,228 @@
+"""The job system end to end, in this process: enqueue, a burst worker, status, results, export.
+
+Real redis-server, real SQLite (and PostgreSQL when POLSPEC_TEST_PG_URL is set), real models.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+import redis
+from click.testing import CliRunner
+from rq import Queue
+from rq.job import Job, JobStatus
+from rq.serializers import JSONSerializer
+from sqlalchemy import select
+
+from polspec.cli import main
+from polspec.decoding import DecodingParams, generate
+from polspec.errors import PolspecError
+from polspec.jobs.queue import queue_name
+from polspec.settings import polspec_home
+from polspec.store.engine import make_engine, session_scope
+from polspec.store.migrate import upgrade
+from polspec.store.schema import Item, Result
+from polspec.worker.run import WorkerOptions, run_worker
+
+PROMPTS = [
+    "Jaka jest stolica Czech?", "Ile nóg ma pająk?", "Kto napisał „Pana Tadeusza”?", "Gdzie leży Zakopane?",
+    "Jak nazywa się najdłuższa rzeka w Polsce?", "Ile dni ma przestępny rok?", "Co to jest fotosynteza?",
+    "Jakiego koloru jest chlorofil?", "Kiedy zaczęła się druga wojna światowa?", "Czym jest źdźbło trawy?",
+]
+
+
+@pytest.fixture
+def env(db_url: str, redis_url: str) -> dict[str, str]:
+    redis.Redis.from_url(redis_url).flushall()
+    return {"POLSPEC_DB_URL": db_url, "POLSPEC_REDIS_URL": redis_url}
+
+
+def cli(env: dict[str, str], *args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(main, list(args), env=env)
+    return result.exit_code, result.output
+
+
+def work(env: dict[str, str], **options) -> bool:
+    return run_worker(WorkerOptions(burst=True, log_level="WARNING", **options),
+                      db_url=env["POLSPEC_DB_URL"], redis_url=env["POLSPEC_REDIS_URL"])
+
+
+def write_prompts(path: Path) -> Path:
+    rows = [{"id": f"q{i:02d}", "prompt": prompt} for i, prompt in enumerate(PROMPTS)]
+    rows.append({"id": "q10", "prompt": "Napisz zdanie o Krakowie."})
+    rows.append({"id": "short", "prompt": "Wisła to", "max_tokens": 3})
+    path.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
+    return path
+
+
+def results_by_key(env: dict[str, str]) -> dict[str, tuple[Item, Result | None]]:
+    engine = make_engine(env["POLSPEC_DB_URL"])
+    with session_scope(engine) as session:
+        rows = session.execute(select(Item, Result).outerjoin(Result, Result.item_id == Item.id)).all()
+    engine.dispose()
+    return {item.item_key: (item, result) for item, result in rows}
+
+
+@pytest.mark.slow
+def test_twelve_prompts_end_to_end_with_exports(env, tmp_path, gemma3):
+    source = write_prompts(tmp_path / "prompts.jsonl")
+    code, output = cli(env, "enqueue", "generate", "--input", str(source), "--target", "gemma3-270m",
+                       "--draft", "smollm2-135m", "--max-tokens", "8", "--name", "e2e", "--json")
+    assert code == 0, output
+    batch = json.loads(output)["batch"]
+    assert work(env)
+
+    stored = results_by_key(env)
+    assert len(stored) == 12
+    for key, (item, result) in stored.items():
+        assert item.status == "done" and item.attempts == 1 and result is not None, (key, item.last_error)
+        assert result.generated_tokens == (3 if key == "short" else 8) or result.metrics["finish_reason"] == "eos"
+        assert result.metrics["rounds"] > 0 and result.metrics["draft_tokens"] > 0
+        assert result.acceptance_rate is not None and 0 <= result.acceptance_rate <= 1
+        assert result.energy_joules is None and result.energy_unavailable_reason
+        assert result.versions["target"]["alias"] == "gemma3-270m" and result.versions["draft"]["alias"] == "smollm2-135m"
+        assert result.timings["decode_s"] > 0
+    # The worker's output is the decoder library's: greedy speculative equals greedy target-only.
+    alone = generate(gemma3, None, PROMPTS[0], DecodingParams(max_tokens=8))
+    assert stored["q00"][1].token_ids == alone.token_ids
+
+    code, output = cli(env, "status", str(batch), "--json")
+    progress = json.loads(output)
+    assert progress["status"] == "done" and progress["done"] == 12 and progress["queued"] == 0
+    assert progress["tokens_per_s"] > 0
+
+    csv_file, jsonl_file = tmp_path / "out.csv", tmp_path / "out.jsonl"
+    assert cli(env, "results", "export", str(batch), "--format", "csv", "--output", str(csv_file))[0] == 0
+    assert cli(env, "results", "export", str(batch), "--format", "jsonl", "--output", str(jsonl_file))[0] == 0
+    assert csv_file.read_bytes().startswith(b"\xef\xbb\xbf")  # spreadsheets read it as UTF-8
+    with open(csv_file, encoding="utf-8-sig", newline="") as handle:
+        from_csv = {row["id"]: row for row in csv.DictReader(handle)}
+    from_jsonl = {row["id"]: row for row in map(json.loads, jsonl_file.read_text(encoding="utf-8").splitlines())}
+    assert set(from_csv) == set(from_jsonl) == set(stored)
+    for key, (item, result) in stored.items():
+        assert from_jsonl[key]["text"] == from_csv[key]["text"] == result.text
+        assert from_jsonl[key]["prompt"] == item.prompt and from_jsonl[key]["messages"] == item.messages
+        assert float(from_csv[key]["acceptance_rate"]) == pytest.approx(result.acceptance_rate)
+    assert from_csv["q02"]["prompt"] == "Kto napisał „Pana Tadeusza”?"
+
+    code, output = cli(env, "results", "sql", "SELECT count(*) AS n FROM results", "--json")
+    assert code == 0 and json.loads(output) == {"n": 12}
+    code, output = cli(env, "results", "sql", "DELETE FROM results")
+    assert code == 1 and output.startswith("polspec: error:") and output.count("\n") == 1
+    code, output = cli(env, "results", "show", str(batch), "q01", "--json")
+    assert json.loads(output)["text"] == stored["q01"][1].text
+
+
+@pytest.mark.slow
+def test_failed_items_keep_their_reason_and_retry_runs_them_again(env, tmp_path):
+    source = tmp_path / "p.jsonl"
+    source.write_text('{"id": "ok", "messages": [{"role": "user", "content": "Co to jest Wisła?"}]}\n'
+                      '{"id": "too-long", "prompt": "Wisła to", "max_tokens": 100000}\n', encoding="utf-8")
+    code, output = cli(env, "enqueue", "generate", "--input", str(source), "--target", "smollm2-135m",
+                       "--max-tokens", "4", "--json")
+    batch = json.loads(output)["batch"]
+    work(env)
+    stored = results_by_key(env)
+    assert stored["ok"][0].status == "done" and stored["ok"][1].prompt_tokens > 10  # the chat template applied
+    failed = stored["too-long"][0]
+    assert failed.status == "failed" and failed.attempts == 1 and stored["too-long"][1] is None
+    assert "100000 more were asked for" in failed.last_error  # decided once: not retried by RQ
+    code, output = cli(env, "status", str(batch), "--json")
+    assert json.loads(output)["status"] == "failed"
+    code, output = cli(env, "results", "list", "--status", "failed", "--json")
+    assert [json.loads(line)["id"] for line in output.splitlines()] == ["too-long"]
+
+    code, output = cli(env, "retry", str(batch), "--failed")
+    assert code == 0 and "1 failed items queued again" in output
+    work(env)
+    again = results_by_key(env)["too-long"][0]
+    assert again.status == "failed" and again.attempts == 2
+
+
+@pytest.mark.slow
+def test_cancel_drops_queued_items_and_their_jobs(env, tmp_path):
+    code, output = cli(env, "enqueue", "generate", "--dataset", "pl-short", "--limit", "4", "--target",
+                       "smollm2-135m", "--max-tokens", "4", "--json")
+    batch = json.loads(output)["batch"]
+    connection = redis.Redis.from_url(env["POLSPEC_REDIS_URL"])
+    queue = Queue(queue_name("smollm2-135m"), connection=connection, serializer=JSONSerializer)
+    assert queue.count == 4
+    code, output = cli(env, "cancel", str(batch))
+    assert code == 0 and "4 queued items dropped" in output
+    assert queue.count == 0
+    assert not work(env)
+    assert {item.status for item, _ in results_by_key(env).values()} == {"cancelled"}
+    code, output = cli(env, "recover")
+    assert "nothing to recover" in output
+
+
+@pytest.mark.slow
+def test_flushed_redis_is_rebuilt_from_the_database_by_recover(env):
+    code, output = cli(env, "enqueue", "generate", "--dataset", "pl-short", "--limit", "5", "--target",
+                       "smollm2-135m", "--max-tokens", "4", "--json")
+    assert code == 0
+    redis.Redis.from_url(env["POLSPEC_REDIS_URL"]).flushall()
+    code, output = cli(env, "recover")
+    assert code == 0 and "re-enqueued 5 items (5 job missing)" in output
+    code, output = cli(env, "recover")
+    assert "nothing to recover" in output  # a second run finds every item with its job
+    assert work(env, queues=("smollm2-135m",))
+    stored = results_by_key(env)
+    assert len(stored) == 5 and all(item.status == "done" and result for item, result in stored.values())
+
+
+@pytest.mark.slow
+def test_a_model_that_fails_to_load_fails_its_items_and_the_worker_goes_on(env, tmp_path, monkeypatch):
+    home = tmp_path / "home"
+    home.mkdir()
+    for cached in ("models", "blobs"):  # the real model cache, under this test's own registry
+        (home / cached).symlink_to(polspec_home() / cached)
+    (home / "models.toml").write_text(
+        '[models.broken]\nsource = "dir:/nonexistent/model"\narchitecture = "llama"\ntokenizer_family = "x"\n')
+    monkeypatch.setenv("POLSPEC_HOME", str(home))
+    cli(env, "enqueue", "generate", "--dataset", "pl-short", "--limit", "2", "--target", "broken")
+    cli(env, "enqueue", "generate", "--dataset", "pl-short", "--limit", "1", "--target", "smollm2-135m",
+        "--max-tokens", "4")
+    assert work(env)
+    by_batch = {}
+    for item, result in results_by_key(env).values():
+        by_batch.setdefault(item.batch_id, []).append(item)
+    broken, fine = by_batch[1], by_batch[2]
+    assert all(item.status == "failed" and "broken failed to load" in item.last_error for item in broken)
+    assert fine[0].status == "done"
+
+
+def test_worker_refuses_an_out_of_date_schema(env):
+    with pytest.raises(PolspecError, match="run polspec db upgrade"):
+        work(env)
+    code, output = cli(env, "worker", "--burst")
+    assert code == 1 and "polspec db upgrade" in output and output.count("\n") == 1
+
+
+def test_worker_refuses_functions_that_are_not_polspec_jobs(env):
+    upgrade(env["POLSPEC_DB_URL"])
+    connection = redis.Redis.from_url(env["POLSPEC_REDIS_URL"])
+    queue = Queue(queue_name("smollm2-135m"), connection=connection, serializer=JSONSerializer)
+    job = queue.enqueue("shutil.rmtree", "/nonexistent-polspec-test")
+    work(env)
+    job = Job.fetch(job.id, connection=connection, serializer=JSONSerializer)
+    assert job.get_status() == JobStatus.FAILED
+    assert "'shutil.rmtree' is not a polspec job function" in job.latest_result().exc_string
+
+
+@pytest.mark.slow
+def test_a_job_from_another_database_is_not_run_against_this_one(env, tmp_path):
+    other = f"sqlite:///{tmp_path / 'other.db'}"
+    code, output = cli(dict(env, POLSPEC_DB_URL=other), "enqueue", "generate", "--dataset", "pl-short",
+                       "--limit", "1", "--target", "smollm2-135m", "--max-tokens", "2", "--json")
+    assert code == 0, output
+    upgrade(env["POLSPEC_DB_URL"])
+    work(env)
+    job = Queue(queue_name("smollm2-135m"), connection=redis.Redis.from_url(env["POLSPEC_REDIS_URL"]),
+                serializer=JSONSerializer).failed_job_registry.get_job_ids()
+    assert len(job) == 1
+    assert results_by_key(env) == {}
+    assert results_by_key(dict(env, POLSPEC_DB_URL=other))["short-001"][0].status == "queued"
