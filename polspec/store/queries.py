@@ -11,6 +11,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import Engine, func, select, text
+from sqlalchemy.exc import DBAPIError
 
 from polspec.errors import PolspecError
 from polspec.store.engine import session_scope
@@ -153,9 +154,16 @@ def item_detail(engine: Engine, batch_id: int, key: str) -> dict[str, Any]:
 
 
 def run_sql(engine: Engine, sql: str) -> tuple[list[str], list[tuple]]:
-    """Run one statement on a read-only engine and return its column names and rows."""
-    with engine.connect() as connection:
-        result = connection.execute(text(sql))
-        if not result.returns_rows:
-            return [], []
-        return list(result.keys()), [tuple(row) for row in result]
+    """Run one statement on a read-only engine and return its column names and rows.
+
+    Whatever the database refuses (syntax, unknown table, a write) is a one-line error.
+    """
+    try:
+        with engine.connect() as connection:
+            result = connection.execute(text(sql))
+            if not result.returns_rows:
+                return [], []
+            return list(result.keys()), [tuple(row) for row in result]
+    except DBAPIError as error:
+        reason = " ".join(str(error.orig).split())
+        raise PolspecError(f"the database refused the query: {reason}") from None

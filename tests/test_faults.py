@@ -1,0 +1,154 @@
+"""Faults a batch must survive without losing or duplicating a result.
+
+Workers run as real processes (``polspec worker``), so they can be killed; Redis is a real
+redis-server with AOF that the tests restart. Every test ends by checking that each item has
+exactly one result.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import pytest
+import redis
+from click.testing import CliRunner
+from rq import Queue
+from rq.job import Job, JobStatus
+from rq.registry import StartedJobRegistry
+from rq.serializers import JSONSerializer
+from sqlalchemy import func, select
+
+from polspec.cli import main
+from polspec.jobs.queue import queue_name
+from polspec.store.engine import make_engine, session_scope
+from polspec.store.schema import Item, Result
+
+pytestmark = pytest.mark.slow
+TARGET = "smollm2-135m"
+
+
+def enqueue(env: dict[str, str], limit: int, max_tokens: int) -> int:
+    result = CliRunner().invoke(main, ["enqueue", "generate", "--dataset", "pl-wiki", "--limit", str(limit),
+                                       "--target", TARGET, "--max-tokens", str(max_tokens), "--raw", "--json"], env=env)
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output)["batch"]
+
+
+def start_worker(env: dict[str, str], *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "from polspec.cli import main; main()", "worker", *args],
+                            env=os.environ | env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def statuses(env: dict[str, str]) -> dict[str, int]:
+    engine = make_engine(env["POLSPEC_DB_URL"])
+    with session_scope(engine) as session:
+        rows = session.execute(select(Item.status, func.count()).group_by(Item.status)).all()
+    engine.dispose()
+    return dict(rows)
+
+
+def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.1)
+
+
+def finish(worker: subprocess.Popen, timeout: float = 300) -> str:
+    output, _ = worker.communicate(timeout=timeout)
+    assert worker.returncode == 0, output
+    return output
+
+
+def assert_each_item_done_once(env: dict[str, str], count: int) -> list[Item]:
+    engine = make_engine(env["POLSPEC_DB_URL"])
+    with session_scope(engine) as session:
+        items = list(session.scalars(select(Item)))
+        results = session.scalars(select(Result.item_id)).all()
+    engine.dispose()
+    assert len(items) == count and [item.status for item in items] == ["done"] * count
+    assert sorted(results) == sorted(item.id for item in items)  # one result per item, none twice
+    return items
+
+
+@pytest.fixture
+def env(db_url: str, redis_url: str) -> dict[str, str]:
+    redis.Redis.from_url(redis_url).flushall()
+    return {"POLSPEC_DB_URL": db_url, "POLSPEC_REDIS_URL": redis_url}
+
+
+def test_worker_killed_mid_batch_then_restarted_does_every_item_once(env):
+    enqueue(env, limit=6, max_tokens=24)
+    first = start_worker(env, "--burst")
+    wait_for(lambda: statuses(env).get("done", 0) >= 2 and statuses(env).get("running", 0) == 1, 240,
+             "two items done and one running")
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    assert statuses(env).get("running") == 1  # the killed worker's item, left behind
+
+    output = finish(start_worker(env, "--burst"))
+    assert "re-enqueued 1 unfinished items (1 worker gone)" in output
+    items = assert_each_item_done_once(env, 6)
+    assert sorted(item.attempts for item in items) == [1, 1, 1, 1, 1, 2]
+
+
+def test_redis_restarted_mid_batch_loses_nothing(redis_server, db_url):
+    env = {"POLSPEC_DB_URL": db_url, "POLSPEC_REDIS_URL": redis_server.url}
+    enqueue(env, limit=6, max_tokens=16)
+    worker = start_worker(env, "--burst")
+    wait_for(lambda: statuses(env).get("done", 0) >= 2, 240, "two items done")
+    redis_server.restart()
+    finish(worker)
+    assert_each_item_done_once(env, 6)
+
+
+def test_two_workers_on_one_queue_never_duplicate(env):
+    enqueue(env, limit=10, max_tokens=8)
+    workers = [start_worker(env, "--burst") for _ in range(2)]
+    for worker in workers:
+        finish(worker)
+    items = assert_each_item_done_once(env, 10)
+    assert all(item.attempts == 1 for item in items)
+
+
+def test_heartbeat_keeps_a_job_longer_than_the_registry_ttl_alive(env):
+    # TTL 2 s (interval 1 + grace 1); the job takes several times that.
+    enqueue(env, limit=1, max_tokens=64)
+    connection = redis.Redis.from_url(env["POLSPEC_REDIS_URL"])
+    registry = StartedJobRegistry(queue_name(TARGET), connection=connection, serializer=JSONSerializer)
+    worker = start_worker(env, "--burst", "--heartbeat-interval", "1", "--heartbeat-grace", "1")
+    wait_for(lambda: statuses(env).get("running") == 1, 120, "the item to start")
+    (job_id,) = registry.get_job_ids(cleanup=False) or [None]
+    assert job_id is not None
+    started = time.monotonic()
+    while statuses(env).get("running") == 1:
+        registry.cleanup()  # what any RQ client or worker maintenance does: fails or retries expired jobs
+        alive = job_id in registry.get_job_ids(cleanup=False)
+        status = Job.fetch(job_id, connection=connection, serializer=JSONSerializer).get_status()
+        assert alive and status == JobStatus.STARTED, f"declared abandoned after {time.monotonic() - started:.1f} s"
+        time.sleep(0.3)
+    long_enough = time.monotonic() - started
+    finish(worker)
+    assert long_enough > 3 * 2, f"the job took {long_enough:.1f} s, not longer than the 2 s TTL: make it longer"
+    assert Job.fetch(job_id, connection=connection, serializer=JSONSerializer).get_status() == JobStatus.FINISHED
+    assert not Queue(queue_name(TARGET), connection=connection, serializer=JSONSerializer).failed_job_registry.count
+    assert [item.attempts for item in assert_each_item_done_once(env, 1)] == [1]
+
+
+def test_first_sigterm_finishes_the_item_then_stops(env):
+    enqueue(env, limit=3, max_tokens=24)
+    worker = start_worker(env, "--burst")
+    wait_for(lambda: statuses(env).get("running") == 1, 120, "an item to start")
+    worker.send_signal(signal.SIGTERM)
+    finish(worker, timeout=120)
+    after = statuses(env)
+    assert after.get("done") == 1 and after.get("queued") == 2 and "running" not in after
+    finish(start_worker(env, "--burst"))
+    assert_each_item_done_once(env, 3)
