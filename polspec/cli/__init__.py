@@ -49,7 +49,7 @@ def main() -> None:
 
 
 def _register() -> None:
-    from polspec.cli import control, db, doctor, enqueue, generate, models, results, status, worker
+    from polspec.cli import control, db, demo, doctor, enqueue, generate, models, results, status, worker
 
     main.add_command(generate.generate)
     main.add_command(enqueue.enqueue)
@@ -62,6 +62,7 @@ def _register() -> None:
     main.add_command(models.models)
     main.add_command(db.db)
     main.add_command(doctor.doctor)
+    main.add_command(demo.demo)
 
 
 _register()
