@@ -153,3 +153,18 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "sqlite":
         return sqlite_url(tmp_path)
     return request.getfixturevalue("pg_url")
+
+
+@pytest.fixture
+def home_with_models(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A fresh POLSPEC_HOME for this test that shares the real model cache (models are not refetched)."""
+    from polspec.settings import polspec_home
+
+    real = polspec_home()
+    home = tmp_path / "polspec-home"
+    home.mkdir()
+    for cached in ("models", "blobs"):
+        (real / cached).mkdir(exist_ok=True)
+        (home / cached).symlink_to(real / cached)
+    monkeypatch.setenv("POLSPEC_HOME", str(home))
+    return home

@@ -21,7 +21,6 @@ from polspec.cli import main
 from polspec.decoding import DecodingParams, generate
 from polspec.errors import PolspecError
 from polspec.jobs.queue import queue_name
-from polspec.settings import polspec_home
 from polspec.store.engine import make_engine, session_scope
 from polspec.store.migrate import upgrade
 from polspec.store.schema import Item, Result
@@ -175,14 +174,9 @@ def test_flushed_redis_is_rebuilt_from_the_database_by_recover(env):
 
 
 @pytest.mark.slow
-def test_a_model_that_fails_to_load_fails_its_items_and_the_worker_goes_on(env, tmp_path, monkeypatch):
-    home = tmp_path / "home"
-    home.mkdir()
-    for cached in ("models", "blobs"):  # the real model cache, under this test's own registry
-        (home / cached).symlink_to(polspec_home() / cached)
-    (home / "models.toml").write_text(
+def test_a_model_that_fails_to_load_fails_its_items_and_the_worker_goes_on(env, home_with_models):
+    (home_with_models / "models.toml").write_text(
         '[models.broken]\nsource = "dir:/nonexistent/model"\narchitecture = "llama"\ntokenizer_family = "x"\n')
-    monkeypatch.setenv("POLSPEC_HOME", str(home))
     cli(env, "enqueue", "generate", "--dataset", "pl-short", "--limit", "2", "--target", "broken")
     cli(env, "enqueue", "generate", "--dataset", "pl-short", "--limit", "1", "--target", "smollm2-135m",
         "--max-tokens", "4")
@@ -226,3 +220,17 @@ def test_a_job_from_another_database_is_not_run_against_this_one(env, tmp_path):
     assert len(job) == 1
     assert results_by_key(env) == {}
     assert results_by_key(dict(env, POLSPEC_DB_URL=other))["short-001"][0].status == "queued"
+
+
+@pytest.mark.slow
+def test_demo_runs_the_main_job_with_a_private_redis(home_with_models, tmp_path, closed_port):
+    env = {"POLSPEC_DB_URL": f"sqlite:///{tmp_path / 'demo.db'}", "POLSPEC_REDIS_URL": f"redis://127.0.0.1:{closed_port}/0"}
+    code, output = cli(env, "demo", "--limit", "2", "--max-tokens", "4")
+    assert code == 0, output
+    assert "started a private redis-server" in output and "wiki-001" in output and "wiki-002" in output
+    assert f"results are in sqlite:///{tmp_path / 'demo.db'}" in output
+    assert (home_with_models / "redis" / "appendonlydir").is_dir()  # AOF on, data under POLSPEC_HOME
+    with pytest.raises(redis.ConnectionError):  # and stopped afterwards
+        redis.Redis.from_url(env["POLSPEC_REDIS_URL"]).ping()
+    stored = results_by_key(env)
+    assert sorted(stored) == ["wiki-001", "wiki-002"] and all(item.status == "done" for item, _ in stored.values())
