@@ -128,12 +128,15 @@ def test_heartbeat_keeps_a_job_longer_than_the_registry_ttl_alive(env):
     (job_id,) = registry.get_job_ids(cleanup=False) or [None]
     assert job_id is not None
     started = time.monotonic()
+    progress = []
     while statuses(env).get("running") == 1:
         registry.cleanup()  # what any RQ client or worker maintenance does: fails or retries expired jobs
         alive = job_id in registry.get_job_ids(cleanup=False)
-        status = Job.fetch(job_id, connection=connection, serializer=JSONSerializer).get_status()
-        assert alive and status == JobStatus.STARTED, f"declared abandoned after {time.monotonic() - started:.1f} s"
+        job = Job.fetch(job_id, connection=connection, serializer=JSONSerializer)
+        assert alive and job.get_status() == JobStatus.STARTED, f"declared abandoned after {time.monotonic() - started:.1f} s"
+        progress.append(job.get_meta().get("tokens", 0))
         time.sleep(0.3)
+    assert max(progress) > 0 and progress == sorted(progress)  # live progress in the job's meta
     long_enough = time.monotonic() - started
     finish(worker)
     assert long_enough > 2 * 2, f"the job took {long_enough:.1f} s, not longer than the 2 s TTL: make it longer"
@@ -152,3 +155,19 @@ def test_first_sigterm_finishes_the_item_then_stops(env):
     assert after.get("done") == 1 and after.get("queued") == 2 and "running" not in after
     finish(start_worker(env, "--burst"))
     assert_each_item_done_once(env, 3)
+
+
+def test_cancel_stops_a_running_item_between_rounds(env):
+    batch = enqueue(env, limit=2, max_tokens=200)
+    worker = start_worker(env, "--burst")
+    wait_for(lambda: statuses(env).get("running") == 1, 120, "an item to start")
+    result = CliRunner().invoke(main, ["cancel", str(batch)], env=env)
+    assert result.exit_code == 0 and "1 queued items dropped" in result.output
+    started = time.monotonic()
+    finish(worker, timeout=120)
+    assert time.monotonic() - started < 10  # 200 tokens would take far longer
+    assert statuses(env) == {"cancelled": 2}
+    engine = make_engine(env["POLSPEC_DB_URL"])
+    with session_scope(engine) as session:
+        assert session.scalar(select(func.count()).select_from(Result)) == 0
+    engine.dispose()

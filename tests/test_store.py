@@ -25,6 +25,7 @@ from sqlalchemy.orm import Session
 from polspec.cli.db import db
 from polspec.errors import PolspecError
 from polspec.store.engine import display_url, make_engine, session_scope
+from polspec.store.items import database_id
 from polspec.store.migrate import (
     alembic_config,
     current_revision,
@@ -121,6 +122,25 @@ def test_upgrade_from_every_earlier_revision_matches_the_models(db_url: str) -> 
         upgrade(db_url)
         assert current_revision(db_url) == head_revision()
         assert schema_differences(db_url) == []
+
+
+def test_upgrade_from_0001_keeps_the_rows_and_gives_the_database_an_id(db_url: str) -> None:
+    upgrade(db_url, "0001")
+    engine = make_engine(db_url)
+    with engine.begin() as connection:
+        connection.execute(text("INSERT INTO batches (id, kind, spec, status, created_at, updated_at) "
+                                "VALUES (1, 'generate', '{}', 'queued', :now, :now)"), {"now": "2026-11-30 12:00:00"})
+        connection.execute(text("INSERT INTO items (batch_id, item_key, prompt, params, status, attempts, created_at, "
+                                "updated_at) VALUES (1, 'a', 'Wisła', '{}', 'running', 1, :now, :now)"),
+                           {"now": "2026-11-30 12:00:00"})
+    engine.dispose()
+    upgrade(db_url)
+    engine = make_engine(db_url)
+    with session_scope(engine) as session:
+        item = session.scalar(select(Item))
+        assert (item.item_key, item.status, item.worker_pid, item.heartbeat_at) == ("a", "running", None, None)
+    assert len(database_id(engine)) == 12 and database_id(engine) == database_id(engine)
+    engine.dispose()
 
 
 def test_downgrade_to_base_then_upgrade_round_trip(db_url: str) -> None:
