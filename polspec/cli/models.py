@@ -145,3 +145,45 @@ def show(alias: str, as_json: bool) -> None:
     width = max(len(key) for key in row)
     for key, value in row.items():
         click.echo(f"{key:<{width}}  {value}")
+
+
+@models.command()
+@click.argument("target")
+@click.argument("draft")
+@click.option("--repeats", default=5, show_default=True, type=click.IntRange(1), help="Timed forwards per size.")
+@click.option("--json", "as_json", is_flag=True, help="Print the probe as one JSON object.")
+def probe(target: str, draft: str, repeats: int, as_json: bool) -> None:
+    """Measure what speculation costs for TARGET with DRAFT on this machine, and store it.
+
+    Measures c (draft step / target step), rho(m) (a target forward over m tokens / over one,
+    m = 1..9) and tau (translation per round / target step), then shows the acceptance each k
+    needs to beat target-only decoding. `--k auto` uses the stored probe (and measures one on
+    first use).
+
+    \b
+    Example:
+      polspec models probe qwen2.5-coder-1.5b gemma3-270m
+    """
+    from polspec.decoding.costmodel import break_even_acceptance, predicted_speedup, probe_path, save_probe
+    from polspec.decoding.costmodel import probe as measure
+    from polspec.models.loader import load_model
+
+    with progress_bar("loading") as report:
+        target_model, draft_model = load_model(target, progress=report), load_model(draft, progress=report)
+    result = measure(target_model, draft_model, repeats=repeats)
+    save_probe(result)
+    if as_json:
+        click.echo(json.dumps(result.as_dict()))
+        return
+    click.echo(f"{target} with draft {draft} on {result.machine['key']}: target step {result.target_step_s * 1e3:.1f} ms, "
+               f"draft step {result.draft_step_s * 1e3:.1f} ms, c = {result.c:.3f}, tau = {result.tau:.3f}")
+    click.echo("rho(m), m = 1..9: " + " ".join(f"{value:.2f}" for value in result.rho))
+    table = Table(title="predicted speedup over target-only decoding")
+    for heading in ("k", "break-even acceptance", "S at a=0.4", "S at a=0.6", "S at a=0.8"):
+        table.add_column(heading, justify="right")
+    for k in range(1, 7):
+        even = break_even_acceptance(result, k)
+        table.add_row(str(k), "never" if even is None else f"{even:.0%}",
+                      *(f"{predicted_speedup(result, a, k):.2f}x" for a in (0.4, 0.6, 0.8)))
+    Console().print(table)
+    click.echo(f"stored in {probe_path(target, draft)}")

@@ -23,6 +23,7 @@ class DecodeMetrics:
     candidates: int = 0
     candidates_accepted: int = 0
     boundary_misses: int = 0
+    plain_rounds: int = 0  # rounds the auto draft length spent as plain target steps (k = 0)
     prefill_s: float = 0.0
     draft_s: float = 0.0
     translate_s: float = 0.0
@@ -31,6 +32,7 @@ class DecodeMetrics:
     decode_s: float = 0.0
     peak_memory_gb: float = 0.0
     finish_reason: str = ""
+    k_policy_note: str = ""  # what the auto draft length decided, when it decided for the whole generation
 
     @property
     def acceptance_per_candidate(self) -> float | None:

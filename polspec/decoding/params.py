@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 from polspec.errors import PolspecError
 
 STRATEGIES = ("aligned", "context", "naive", "none")  # see polspec.decoding.translate
-K_POLICIES = ("heuristic", "confidence")
+K_POLICIES = ("heuristic", "confidence", "auto")
 MAX_K = 16
 
 
@@ -17,7 +17,7 @@ class DecodingParams:
 
     ``k`` is the draft length (a number, or a policy name: ``heuristic`` adapts it from
     acceptance, ``confidence`` stops drafting when the draft's top probability falls below
-    ``confidence``); ``strategy`` and ``prefix`` choose the translation between tokenizers;
+    ``confidence``, ``auto`` chooses it from the machine's cost model, down to plain decoding); ``strategy`` and ``prefix`` choose the translation between tokenizers;
     ``temperature`` 0 is greedy. Target candidates per round are capped at ``2 * k_max + 2``.
     """
 

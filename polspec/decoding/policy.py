@@ -1,4 +1,4 @@
-"""Draft length per round: fixed k, the heuristic schedule, or the draft's confidence."""
+"""Draft length per round: fixed k, the heuristic schedule, the draft's confidence, or auto."""
 
 from __future__ import annotations
 
@@ -6,7 +6,12 @@ from polspec import backend  # noqa: F401  (before mlx: the Linux BLAS fix)
 
 import mlx.core as mx
 
+from polspec.decoding.costmodel import AcceptanceEstimate, Probe, best_k
 from polspec.decoding.params import DecodingParams
+
+# With auto at k = 0, one round in this many drafts a single token anyway, so that the
+# acceptance estimate can recover when the text gets easier.
+EXPLORE_EVERY = 32
 
 
 class DraftLength:
@@ -16,14 +21,26 @@ class DraftLength:
     - ``heuristic``: +2 after a round whose candidates were all accepted, -1 otherwise,
       between 1 and ``k_max`` (Hugging Face's schedule);
     - ``confidence``: up to ``k_max`` tokens, stopping after a token whose draft
-      probability is below ``confidence`` (costs one host sync per draft token).
+      probability is below ``confidence`` (costs one host sync per draft token);
+    - ``auto``: the k in 0..``k_max`` with the highest speedup the cost model predicts from
+      the machine's ``probe`` and the running acceptance ``estimate``; 0 means a plain
+      target step (see :mod:`polspec.decoding.costmodel`).
     """
 
-    def __init__(self, params: DecodingParams):
+    def __init__(self, params: DecodingParams, probe: Probe | None = None,
+                 estimate: AcceptanceEstimate | None = None):
         self.mode = params.k if isinstance(params.k, str) else "fixed"
-        self.k = params.k_max if self.mode == "confidence" else params.initial_k
         self.k_max = params.k_max
         self.threshold = params.confidence
+        if self.mode == "auto":
+            if probe is None or estimate is None:
+                raise ValueError("the auto draft length needs a probe and an acceptance estimate")
+            self.probe, self.estimate = probe, estimate
+            self.candidates, self.proposed = 4.0, 4.0  # prior: one candidate per draft token
+            self.plain_rounds = 0
+            self.k = self._choose()
+        else:
+            self.k = params.k_max if self.mode == "confidence" else params.initial_k
 
     def stop_after(self, step: int, logits: mx.array, token: mx.array) -> bool:
         """Whether to stop drafting after this token (only the confidence policy stops early)."""
@@ -32,6 +49,21 @@ class DraftLength:
         probability = mx.softmax(logits, axis=-1)[token]
         return probability.item() < self.threshold
 
-    def observe(self, accepted: int, candidates: int) -> None:
+    def observe(self, accepted: int, candidates: int, proposed: int) -> None:
         if self.mode == "heuristic":
             self.k = min(self.k + 2, self.k_max) if candidates and accepted == candidates else max(self.k - 1, 1)
+        elif self.mode == "auto":
+            if candidates:
+                self.estimate.observe(accepted, candidates)
+            if proposed:
+                self.candidates += candidates
+                self.proposed += proposed
+            self.k = self._choose()
+
+    def _choose(self) -> int:
+        k = best_k(self.probe, self.estimate.a, self.k_max, self.candidates / self.proposed)
+        if k == 0:
+            self.plain_rounds += 1
+            if self.plain_rounds % EXPLORE_EVERY == 0:
+                return 1
+        return k

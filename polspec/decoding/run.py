@@ -11,8 +11,11 @@ import mlx.core as mx
 
 from polspec.decoding.autoregressive import generate_autoregressive
 from polspec.decoding.commit import Commit
+from polspec.decoding.costmodel import acceptance_estimate, can_pay, load_probe, save_probe
+from polspec.decoding.costmodel import probe as measure_probe
 from polspec.decoding.metrics import DecodeMetrics
 from polspec.decoding.params import DecodingParams
+from polspec.decoding.policy import DraftLength
 from polspec.decoding.speculative import generate_speculative
 from polspec.errors import PolspecError
 from polspec.models.loader import LoadedModel
@@ -84,10 +87,28 @@ def stream(
         )
     if params.seed is not None:
         mx.random.seed(params.seed)
+    policy = None
+    if draft is not None and params.k == "auto":
+        policy = auto_draft_length(target, draft, params)
+        if policy is None:
+            metrics.k_policy_note = "auto: plain decoding, no k can pay on this machine even with a perfect draft"
+            draft = None
     if draft is None:
         return generate_autoregressive(target, target_ids, params, metrics)
     draft_ids = encode_prompt(draft, prompt, chat)
-    return generate_speculative(target, draft, target_ids, draft_ids, params, metrics)
+    return generate_speculative(target, draft, target_ids, draft_ids, params, metrics, policy)
+
+
+def auto_draft_length(target: LoadedModel, draft: LoadedModel, params: DecodingParams) -> DraftLength | None:
+    """The ``auto`` policy for this pair from its stored probe (measured and stored on first
+    use), or None when the probe says no k can beat plain decoding here."""
+    probe = load_probe(target.entry.alias, draft.entry.alias)
+    if probe is None:
+        probe = measure_probe(target, draft)
+        save_probe(probe)
+    if not can_pay(probe, params.k_max):
+        return None
+    return DraftLength(params, probe, acceptance_estimate(target.entry.alias, draft.entry.alias, params.strategy))
 
 
 def generate(

@@ -62,6 +62,8 @@ class _DraftSide:
 
     def propose(self, k: int, policy: DraftLength) -> list[int]:
         """Up to ``k`` greedy draft tokens; the last one is not fed to the cache."""
+        if k == 0:
+            return []
         inputs = mx.array([self.sequence[self.fed:]])
         proposal = []
         for step in range(k):
@@ -96,14 +98,19 @@ def generate_speculative(
     draft_prompt: list[int],
     params: DecodingParams,
     metrics: DecodeMetrics,
+    policy: DraftLength | None = None,
 ) -> Iterator[Commit]:
-    """Yield committed target tokens round by round until EOS or ``params.max_tokens``."""
+    """Yield committed target tokens round by round until EOS or ``params.max_tokens``.
+
+    ``policy`` decides the draft length (default: from ``params``); a round with k = 0 is a
+    plain target step, and the draft catches up on the text when it next proposes.
+    """
     sample = token_sampler(params)
     eos = set(target.tokenizer.eos_token_ids)
     translate = not same_tokenizer(target, draft)
     target_table = token_bytes(_hf(target)) if translate else None
     draft_table = token_bytes(_hf(draft)) if translate else None
-    policy = DraftLength(params)
+    policy = policy or DraftLength(params)
     cap = params.candidate_cap
     metrics.prompt_tokens = len(target_prompt)
 
@@ -123,7 +130,10 @@ def generate_speculative(
         metrics.draft_s += now - clock
 
         clock = now
-        if translate:
+        if not proposal:
+            candidates = []
+            metrics.plain_rounds += 1
+        elif translate:
             translation = translate_draft_to_target(
                 params.strategy, draft_table, target_table, proposal,
                 target_prompt[-params.prefix - 8:] + committed, params.prefix, cap, draft_side.lag,
@@ -158,7 +168,7 @@ def generate_speculative(
         metrics.draft_tokens_accepted += _draft_tokens_inside(
             draft_table, proposal, target_table, new[: min(accepted, len(new))]
         ) if translate else min(accepted, len(new))
-        policy.observe(accepted, len(candidates))
+        policy.observe(accepted, len(candidates), len(proposal))
         committed += new
         pending = new[-1] if new else pending
         metrics.generated_tokens = len(committed)

@@ -1,0 +1,232 @@
+"""The hardware cost model: what one round costs on this machine, and which k pays.
+
+Per round, a draft of ``k`` tokens costs ``k c`` target steps (``c`` = draft step / target step),
+verifying ``k'`` translated candidates costs ``rho(k' + 1)`` target steps (``rho(m)`` = time of
+a target forward over ``m`` tokens / over one; above 1 on bandwidth-bound hardware) and the
+translation ``tau`` target steps. With per-candidate acceptance ``a`` a round commits
+
+    E[N] = (1 - a^(k'+1)) / (1 - a)
+
+target tokens, so the speedup over target-only decoding is
+
+    S(a, k) = E[N] / (k c + rho(k'+1) + tau)
+
+and speculation pays when ``S > 1``. ``k'`` follows from ``k`` through the pair's ratio of
+target candidates to draft tokens (1 for a same-tokenizer pair). :func:`probe` measures
+``c``, ``rho(1..9)`` and ``tau`` on the machine at hand; probes are stored per machine and model
+pair under ``$POLSPEC_HOME/probes``. The ``auto`` draft length (:mod:`polspec.decoding.policy`)
+picks the k with the highest predicted S each round, and plain decoding when none exceeds 1.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+from polspec.errors import PolspecError
+from polspec.settings import polspec_home
+
+RHO_SIZES = 9  # rho(m) is measured for m = 1..9 and extrapolated linearly beyond
+PROBE_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class Probe:
+    """Measured costs of one target/draft pair on one machine, in target steps."""
+
+    target: str
+    draft: str
+    c: float
+    rho: tuple[float, ...]  # rho[m - 1] for m = 1..RHO_SIZES; rho[0] == 1
+    tau: float
+    target_step_s: float = 0.0
+    draft_step_s: float = 0.0
+    machine: dict[str, str] = field(default_factory=dict)
+
+    def rho_at(self, m: int) -> float:
+        """rho(m), extrapolated linearly from the last two measured sizes beyond them."""
+        if m < 1:
+            raise ValueError(f"rho is defined for m >= 1, got {m}")
+        if m <= len(self.rho):
+            return self.rho[m - 1]
+        slope = self.rho[-1] - self.rho[-2] if len(self.rho) > 1 else 0.0
+        return self.rho[-1] + slope * (m - len(self.rho))
+
+    def as_dict(self) -> dict:
+        return asdict(self) | {"rho": list(self.rho), "format": PROBE_FORMAT}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Probe:
+        fields = {key: value for key, value in data.items() if key != "format"}
+        return cls(**fields | {"rho": tuple(data["rho"])})
+
+
+def expected_tokens(a: float, candidates: int) -> float:
+    """E[N]: target tokens one round commits with ``candidates`` candidates of acceptance ``a``."""
+    if not 0 <= a <= 1:
+        raise ValueError(f"acceptance must be in [0, 1], got {a}")
+    if a == 1:
+        return candidates + 1.0
+    return (1 - a ** (candidates + 1)) / (1 - a)
+
+
+def candidates_for(k: int, ratio: float) -> int:
+    """k': target candidates that ``k`` draft tokens become, at ``ratio`` candidates per draft token."""
+    return 0 if k == 0 else max(1, round(k * ratio))
+
+
+def round_cost(probe: Probe, k: int, ratio: float = 1.0) -> float:
+    """Cost of one round with ``k`` draft tokens, in target steps (k = 0: plain decoding, 1)."""
+    if k == 0:
+        return 1.0
+    return k * probe.c + probe.rho_at(candidates_for(k, ratio) + 1) + probe.tau
+
+
+def predicted_speedup(probe: Probe, a: float, k: int, ratio: float = 1.0) -> float:
+    """S(a, k) over target-only decoding; k = 0 is target-only decoding itself (S = 1)."""
+    if k == 0:
+        return 1.0
+    return expected_tokens(a, candidates_for(k, ratio)) / round_cost(probe, k, ratio)
+
+
+def break_even_acceptance(probe: Probe, k: int, ratio: float = 1.0) -> float | None:
+    """The acceptance at which ``k`` starts to pay (S = 1); None if even a = 1 does not pay."""
+    if predicted_speedup(probe, 1.0, k, ratio) <= 1.0:
+        return None
+    low, high = 0.0, 1.0
+    for _ in range(60):
+        middle = (low + high) / 2
+        if predicted_speedup(probe, middle, k, ratio) > 1.0:
+            high = middle
+        else:
+            low = middle
+    return high
+
+
+def best_k(probe: Probe, a: float, k_max: int, ratio: float = 1.0) -> int:
+    """The k in 0..k_max with the highest predicted speedup; 0 (plain decoding) when none pays."""
+    return max(range(k_max + 1), key=lambda k: (predicted_speedup(probe, a, k, ratio), -k))
+
+
+def can_pay(probe: Probe, k_max: int, ratio: float = 1.0) -> bool:
+    """Whether any k up to ``k_max`` beats plain decoding even with a perfect draft."""
+    return any(predicted_speedup(probe, 1.0, k, ratio) > 1.0 for k in range(1, k_max + 1))
+
+
+# --- measuring -------------------------------------------------------------------------------
+
+
+def machine_key() -> str:
+    """Probes are valid for one machine, backend and dtype policy."""
+    from polspec.backend import setup
+
+    chosen = setup()
+    return f"{platform.node() or 'host'}-{chosen.kind}-{chosen.device}-{chosen.dtype}"
+
+
+def probe_path(target: str, draft: str):
+    return polspec_home() / "probes" / machine_key() / f"{target}__{draft}.json"
+
+
+def load_probe(target: str, draft: str) -> Probe | None:
+    """The stored probe of this pair on this machine, if one was measured."""
+    path = probe_path(target, draft)
+    if not path.exists():
+        return None
+    data = json.loads(path.read_text())
+    return Probe.from_dict(data) if data.get("format") == PROBE_FORMAT else None
+
+
+def save_probe(probe: Probe) -> None:
+    path = probe_path(probe.target, probe.draft)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(json.dumps(probe.as_dict(), indent=1))
+    temporary.replace(path)
+
+
+def probe(target, draft, repeats: int = 5, context: int = 64) -> Probe:
+    """Measure c, rho(1..9) and tau for two loaded models on this machine (tens of seconds).
+
+    Forward times are medians over ``repeats`` with ``context`` tokens already cached, the
+    way decoding runs; tau is the median time of an ``aligned`` translation of a k=4 draft
+    chunk of Polish text, over the target step.
+    """
+    from polspec.backend import setup
+    from polspec.decoding.translate import token_bytes, translate_draft_to_target
+
+    if repeats < 1:
+        raise PolspecError(f"repeats must be at least 1, got {repeats}")
+    target_times = [_forward_time(target, m, repeats, context) for m in range(1, RHO_SIZES + 1)]
+    step = target_times[0]
+    draft_step = _forward_time(draft, 1, repeats, context)
+
+    text = ("Kraków jest jednym z najstarszych miast w Polsce. Przez wieki był stolicą kraju, a jego "
+            "Stare Miasto wpisano na listę światowego dziedzictwa UNESCO.")
+    target_table, draft_table = token_bytes(target.tokenizer._tokenizer), token_bytes(draft.tokenizer._tokenizer)
+    target_ids = target.tokenizer.encode(text)
+    draft_ids = draft.tokenizer.encode(text)
+    times = []
+    for start in range(4, len(draft_ids) - 4, 3):
+        clock = time.perf_counter()
+        translate_draft_to_target("aligned", draft_table, target_table, draft_ids[start:start + 4],
+                                  target_ids[: max(1, start)], 5, 10)
+        times.append(time.perf_counter() - clock)
+    chosen = setup()
+    return Probe(target.entry.alias, draft.entry.alias, c=draft_step / step,
+                 rho=tuple(t / step for t in target_times), tau=statistics.median(times) / step,
+                 target_step_s=step, draft_step_s=draft_step,
+                 machine={"key": machine_key(), "platform": chosen.platform, "device": chosen.device,
+                          "dtype": chosen.dtype, "mlx": chosen.mlx_version})
+
+
+def _forward_time(loaded, m: int, repeats: int, context: int) -> float:
+    import mlx.core as mx
+
+    from polspec.decoding.kv import new_cache, prefill, trim
+
+    cache = new_cache(loaded.model, loaded.entry.alias, context + m + 1)
+    prefill(loaded.model, cache, list(range(1, context + 1)))
+    tokens = mx.array([list(range(2, m + 2))])
+    mx.eval(loaded.model(tokens, cache=cache))  # warm-up: first use of this shape
+    trim(cache, m)
+    times = []
+    for _ in range(repeats):
+        clock = time.perf_counter()
+        mx.eval(loaded.model(tokens, cache=cache))
+        times.append(time.perf_counter() - clock)
+        trim(cache, m)
+    return statistics.median(times)
+
+
+@dataclass
+class AcceptanceEstimate:
+    """A running estimate of per-candidate acceptance for one pair and strategy.
+
+    Each round adds its accepted candidates as successes and, if it stopped at a rejection,
+    one failure: the maximum-likelihood estimate of a geometric acceptance process, which a
+    plain accepted/proposed ratio underestimates. Starts from a weak prior of ``a = 0.5``.
+    """
+
+    successes: float = 1.0
+    failures: float = 1.0
+
+    @property
+    def a(self) -> float:
+        return self.successes / (self.successes + self.failures)
+
+    def observe(self, accepted: int, candidates: int) -> None:
+        self.successes += accepted
+        self.failures += 1 if accepted < candidates else 0
+
+
+# One estimate per (target, draft, strategy) for the life of the process, so that a worker's
+# later generations start from what earlier ones saw.
+_ESTIMATES: dict[tuple[str, str, str], AcceptanceEstimate] = {}
+
+
+def acceptance_estimate(target: str, draft: str, strategy: str) -> AcceptanceEstimate:
+    return _ESTIMATES.setdefault((target, draft, strategy), AcceptanceEstimate())

@@ -1,0 +1,98 @@
+"""The cost model against worked examples, the probe on real models, and the auto draft length."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from polspec.decoding import DecodingParams, generate
+from polspec.decoding.costmodel import (
+    AcceptanceEstimate, Probe, best_k, break_even_acceptance, can_pay, expected_tokens, load_probe,
+    predicted_speedup, probe, round_cost, save_probe,
+)
+from polspec.decoding.policy import EXPLORE_EVERY, DraftLength
+
+
+def flat(c: float, tau: float = 0.0, rho: tuple[float, ...] = (1.0,) * 9) -> Probe:
+    return Probe("t", "d", c=c, rho=rho, tau=tau)
+
+
+def test_expected_tokens_worked_examples():
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)  # 1 + 0.5 + 0.25
+    assert expected_tokens(0.0, 4) == 1.0  # every round still commits the target's own token
+    assert expected_tokens(1.0, 3) == 4.0
+    with pytest.raises(ValueError):
+        expected_tokens(1.5, 2)
+
+
+def test_classic_speedup_when_verification_is_free():
+    # rho = 1 and tau = 0 reduce S to the classic E[N] / (k c + 1).
+    assert predicted_speedup(flat(0.1), 0.8, 2) == pytest.approx(((1 - 0.8**3) / 0.2) / 1.2)
+    assert predicted_speedup(flat(0.1), 0.8, 0) == 1.0
+
+
+def test_bandwidth_bound_cost_and_break_even():
+    measured = flat(0.1, tau=0.05, rho=(1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7, 1.8))
+    assert round_cost(measured, 2) == pytest.approx(0.2 + 1.2 + 0.05)
+    # 1 + a + a^2 = 1.45  ->  a = (-1 + sqrt(1 + 4 * 0.45)) / 2
+    assert break_even_acceptance(measured, 2) == pytest.approx((-1 + math.sqrt(2.8)) / 2, abs=1e-9)
+    assert measured.rho_at(11) == pytest.approx(2.0)  # linear beyond the measured sizes
+    # Two target candidates per draft token verify more positions for the same draft work.
+    assert round_cost(measured, 2, ratio=2.0) == pytest.approx(0.2 + 1.4 + 0.05)
+
+
+def test_break_even_above_one_means_never():
+    assert break_even_acceptance(flat(1.0), 6) is None  # 7 tokens at best, cost 7
+    assert not can_pay(flat(2.0), 8)
+    assert best_k(flat(2.0), 0.99, 8) == 0
+
+
+def test_best_k_grows_with_acceptance():
+    cheap = flat(0.05, rho=(1.0, 1.05, 1.1, 1.15, 1.2, 1.25, 1.3, 1.35, 1.4))
+    choices = [best_k(cheap, a, 8) for a in (0.1, 0.5, 0.8, 0.95)]
+    assert choices == sorted(choices) and choices[0] <= 1 and choices[-1] >= 5
+
+
+def test_acceptance_estimate_is_the_geometric_mle():
+    estimate = AcceptanceEstimate(0, 0)
+    for accepted, candidates in [(2, 2), (1, 2), (0, 2)]:
+        estimate.observe(accepted, candidates)
+    assert estimate.a == pytest.approx(3 / 5)  # 3 accepted, 2 rounds stopped by a rejection
+
+
+def test_auto_policy_explores_while_plain_decoding_pays_best():
+    policy = DraftLength(DecodingParams(k="auto"), flat(0.9, rho=(1.0, 1.5) + (2.0,) * 7), AcceptanceEstimate(1, 9))
+    ks = []
+    for _ in range(EXPLORE_EVERY * 2):
+        ks.append(policy.k)
+        policy.observe(0, 0, 0) if policy.k == 0 else policy.observe(0, 1, 1)
+    assert ks.count(1) == 2 and set(ks) == {0, 1}
+
+
+@pytest.mark.slow
+def test_probe_measures_real_models_and_is_stored(gemma3, smollm2, home_with_models):
+    measured = probe(gemma3, smollm2, repeats=2, context=16)
+    assert measured.rho[0] == 1.0 and len(measured.rho) == 9 and measured.rho[8] > 1.0
+    assert 0 < measured.c < 5 and measured.tau >= 0 and measured.target_step_s > 0
+    save_probe(measured)
+    assert load_probe("gemma3-270m", "smollm2-135m") == measured
+
+
+@pytest.mark.slow
+def test_auto_falls_back_to_plain_decoding_when_no_k_can_pay(gemma3, smollm2, home_with_models):
+    save_probe(Probe("gemma3-270m", "smollm2-135m", c=2.0, rho=(1.0,) * 9, tau=0.0))
+    params = DecodingParams(max_tokens=12, k="auto")
+    result = generate(gemma3, smollm2, "Kraków jest", params)
+    baseline = generate(gemma3, None, "Kraków jest", DecodingParams(max_tokens=12))
+    assert result.token_ids == baseline.token_ids
+    assert result.metrics.draft_tokens == 0 and "plain decoding" in result.metrics.k_policy_note
+
+
+@pytest.mark.slow
+def test_auto_speculates_losslessly_when_the_probe_says_it_pays(gemma3, smollm2, home_with_models):
+    save_probe(Probe("gemma3-270m", "smollm2-135m", c=0.01, rho=(1.0,) * 9, tau=0.0))
+    result = generate(gemma3, smollm2, "Warszawa leży nad", DecodingParams(max_tokens=16, k="auto"))
+    baseline = generate(gemma3, None, "Warszawa leży nad", DecodingParams(max_tokens=16))
+    assert result.token_ids == baseline.token_ids
+    assert result.metrics.draft_tokens > 0 and not result.metrics.k_policy_note
