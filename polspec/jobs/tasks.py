@@ -34,6 +34,7 @@ from polspec.store.engine import display_url
 from polspec.store.items import Claim, claim_item, fail_item, finish_item, is_cancelled
 from polspec.store.schema import Result, Status
 from polspec.worker import context
+from polspec.worker.energy import EnergyReading, measure_energy
 
 PROGRESS_INTERVAL_S = 1.0
 
@@ -82,10 +83,12 @@ def _generate(ctx: context.WorkerContext, claim: Claim) -> Result:
     prompt = claim.prompt if claim.prompt is not None else claim.messages
     report = _Progress(ctx, claim.item_id, params.max_tokens)
     mx.reset_peak_memory()
-    start = time.perf_counter()
-    generation = generate(target, draft, prompt, params, spec.chat, on_commit=report)
-    return _result_row(ctx, spec, target, draft, generation, {
-        "model_load_s": load_s, "generation_s": time.perf_counter() - start, "attempt": claim.attempt,
+    with measure_energy(ctx.meter, ctx.meter_reason, mx.synchronize) as energy:
+        start = time.perf_counter()
+        generation = generate(target, draft, prompt, params, spec.chat, on_commit=report)
+        generation_s = time.perf_counter() - start
+    return _result_row(spec, target, draft, generation, energy, {
+        "model_load_s": load_s, "generation_s": generation_s, "attempt": claim.attempt,
     })
 
 
@@ -111,33 +114,30 @@ class _Progress:
                 pass
 
 
-def _result_row(ctx: context.WorkerContext, spec: GenerateSpec, target: LoadedModel, draft: LoadedModel | None,
-                generation: GenerationResult, timings: dict[str, Any]) -> Result:
+def _result_row(spec: GenerateSpec, target: LoadedModel, draft: LoadedModel | None, generation: GenerationResult,
+                energy: EnergyReading, timings: dict[str, Any]) -> Result:
     metrics = generation.metrics
     chosen = backend_setup()
+    joules_per_token = (energy.joules / metrics.generated_tokens
+                        if energy.joules is not None and metrics.generated_tokens else None)
     return Result(
         text=generation.text,
         token_ids=generation.token_ids,
-        metrics=metrics.as_dict() | {"spans": generation.spans},
+        metrics=metrics.as_dict() | {"spans": generation.spans, "joules_per_token": joules_per_token,
+                                     "energy_window": "prefill and decode"},
         prompt_tokens=metrics.prompt_tokens,
         generated_tokens=metrics.generated_tokens,
         decode_tokens_per_s=metrics.decode_tokens_per_s or 0.0,
         acceptance_rate=metrics.acceptance_per_candidate,
-        energy_joules=None,
-        energy_source=None,
-        energy_unavailable_reason=_energy_reason(ctx),
+        energy_joules=energy.joules,
+        energy_source=energy.source,
+        energy_unavailable_reason=energy.unavailable_reason,
         backend=chosen.kind,
         device=chosen.device,
         versions=_versions(target, draft),
         timings=timings | {"prefill_s": metrics.prefill_s, "decode_s": metrics.decode_s,
                            "finished_at": datetime.now(UTC).isoformat()},
     )
-
-
-def _energy_reason(ctx: context.WorkerContext) -> str:
-    if ctx.meter.name is None:
-        return ctx.meter.reason
-    return f"polspec does not read the {ctx.meter.name} meter yet"
 
 
 def _versions(target: LoadedModel, draft: LoadedModel | None) -> dict[str, Any]:

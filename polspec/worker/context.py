@@ -13,7 +13,7 @@ from sqlalchemy import Engine
 
 from polspec.errors import PolspecError
 from polspec.store.items import DEFAULT_LEASE_S, Worker
-from polspec.worker.energy import MeterAvailability
+from polspec.worker.energy import Meter
 from polspec.worker.model_cache import ModelCache
 
 
@@ -23,7 +23,8 @@ class WorkerContext:
     database_id: str
     models: ModelCache
     me: Worker
-    meter: MeterAvailability
+    meter: Meter | None
+    meter_reason: str  # what the meter measures, or why there is none
     lease_s: float = DEFAULT_LEASE_S
     current_item: int | None = None  # the item being generated; its lease is renewed meanwhile
 

@@ -1,17 +1,36 @@
-"""Energy meters: which one can measure on this machine, or why none can.
+"""Energy meters: measure the joules a generation takes, or say why that cannot be done here.
+
+- ``apple-silicon``: zeus-apple-silicon (CPU, GPU, ANE and DRAM through IOReport, no sudo);
+- ``nvml``: the NVIDIA driver's cumulative energy counter, summed over GPUs;
+- ``rapl``: Linux RAPL through powercap, summed over the package zones; each counter wraps at
+  its ``max_energy_range_uj`` and the wrap is added back. Usually readable by root only.
 
 Energy that cannot be measured is recorded as unavailable with the reason returned here,
-never as 0 and never as an estimate.
+never as 0 and never as an estimate. :func:`open_meter` picks the first meter that works.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import platform
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 POWERCAP = Path("/sys/class/powercap")
+_PACKAGE_ZONE = re.compile(r"intel-rapl:\d+")  # sub-zones (intel-rapl:0:1) are inside their package
+
+
+class Meter(Protocol):
+    name: str
+
+    def start(self) -> object: ...
+
+    def stop(self, started: object) -> float:
+        """Joules used since ``start`` returned ``started``."""
 
 
 @dataclass(frozen=True)
@@ -20,33 +39,131 @@ class MeterAvailability:
     reason: str
 
 
-def _nvml() -> tuple[bool, str]:
-    if importlib.util.find_spec("pynvml") is None:
-        return False, "no NVIDIA driver bindings (nvidia-ml-py)"
-    import pynvml
+@dataclass
+class EnergyReading:
+    """What one measurement window found: joules and the meter, or why there are none."""
 
-    try:
+    joules: float | None = None
+    source: str | None = None
+    unavailable_reason: str | None = None
+
+
+class RaplMeter:
+    """Linux RAPL package counters through powercap (microjoules, wrapping)."""
+
+    name = "rapl"
+
+    def __init__(self, powercap: Path = POWERCAP):
+        zones = sorted(path for path in powercap.glob("intel-rapl:*") if _PACKAGE_ZONE.fullmatch(path.name))
+        if not zones:
+            raise OSError(f"no RAPL package zones under {powercap}")
+        self.zones = zones
+        self.ranges = [int((zone / "max_energy_range_uj").read_text()) for zone in zones]
+        self.start()  # fails now, with the reason, when the counters are not readable
+
+    def start(self) -> list[int]:
+        return [int((zone / "energy_uj").read_text()) for zone in self.zones]
+
+    def stop(self, started: object) -> float:
+        total = 0
+        for before, after, wrap in zip(started, self.start(), self.ranges, strict=True):
+            total += after - before if after >= before else after + wrap - before
+        return total / 1e6
+
+
+class NvmlMeter:
+    """Cumulative GPU energy (millijoules) from NVML, summed over every GPU."""
+
+    name = "nvml"
+
+    def __init__(self):
+        import pynvml
+
         pynvml.nvmlInit()
         count = pynvml.nvmlDeviceGetCount()
-    except Exception as error:  # NVML raises its own error type for every missing piece
-        return False, f"NVML unusable ({error})"
-    return count > 0, "NVIDIA GPU energy counter through NVML" if count else "NVML found no GPU"
+        if not count:
+            raise OSError("NVML found no GPU")
+        self.nvml = pynvml
+        self.handles = [pynvml.nvmlDeviceGetHandleByIndex(index) for index in range(count)]
+        self.start()  # GPUs older than Volta have no energy counter: fail now
+
+    def start(self) -> list[int]:
+        return [self.nvml.nvmlDeviceGetTotalEnergyConsumption(handle) for handle in self.handles]
+
+    def stop(self, started: object) -> float:
+        return sum(after - before for before, after in zip(started, self.start(), strict=True)) / 1e3
+
+
+class AppleMeter:
+    """Apple Silicon energy through zeus-apple-silicon (millijoules per subsystem)."""
+
+    name = "apple-silicon"
+    FIELDS = ("cpu_total_mj", "gpu_mj", "gpu_sram_mj", "ane_mj", "dram_mj")
+
+    def __init__(self):
+        from zeus_apple_silicon import AppleEnergyMonitor
+
+        self.monitor = AppleEnergyMonitor()
+        self.windows = 0
+
+    def start(self) -> str:
+        self.windows += 1
+        name = f"polspec-{self.windows}"
+        self.monitor.begin_window(name)
+        return name
+
+    def stop(self, started: object) -> float:
+        metrics = self.monitor.end_window(started)
+        # A subsystem this chip does not report is None; the others still cover the SoC.
+        return sum(getattr(metrics, field, None) or 0 for field in self.FIELDS) / 1e3
+
+
+def open_meter(powercap: Path = POWERCAP) -> tuple[Meter | None, str]:
+    """The first meter that can measure here and what it measures, or None and every reason."""
+    candidates = []  # (module to import, package that provides it, meter factory, what it measures)
+    if platform.system() == "Darwin":
+        candidates.append(("zeus_apple_silicon", "zeus-apple-silicon", AppleMeter,
+                           "zeus-apple-silicon (CPU, GPU, ANE, DRAM)"))
+    candidates.append(("pynvml", "nvidia-ml-py", NvmlMeter, "NVIDIA GPU energy counter through NVML"))
+    candidates.append((None, None, lambda: RaplMeter(powercap), "Linux RAPL package energy through powercap"))
+    reasons = []
+    for module, package, make, about in candidates:
+        if module is not None and importlib.util.find_spec(module) is None:
+            reasons.append(f"{package} is not installed")
+            continue
+        try:
+            return make(), about
+        except PermissionError as error:
+            reasons.append(f"{error.filename} is not readable (RAPL is usually root-only)")
+        except Exception as error:  # each meter's library raises its own error types
+            reasons.append(f"{package or 'RAPL'}: {error}")
+    return None, "; ".join(reasons)
 
 
 def detect_meter(powercap: Path = POWERCAP) -> MeterAvailability:
     """The energy meter usable on this machine, or the reason there is none."""
-    if platform.system() == "Darwin":
-        if importlib.util.find_spec("zeus_apple_silicon") is None:
-            return MeterAvailability(None, "zeus-apple-silicon is not installed")
-        return MeterAvailability("apple-silicon", "zeus-apple-silicon (CPU, GPU, ANE, DRAM)")
-    nvml_ok, nvml_reason = _nvml()
-    if nvml_ok:
-        return MeterAvailability("nvml", nvml_reason)
-    domains = sorted(powercap.glob("intel-rapl:*/energy_uj")) if powercap.exists() else []
-    if not domains:
-        return MeterAvailability(None, f"no RAPL domains under {powercap}; {nvml_reason}")
+    meter, about = open_meter(powercap)
+    return MeterAvailability(meter.name if meter else None, about)
+
+
+@contextmanager
+def measure_energy(meter: Meter | None, unavailable_reason: str, synchronize=None) -> Iterator[EnergyReading]:
+    """A measurement window: the reading is filled in when the block ends.
+
+    ``synchronize`` (``mx.synchronize``) runs before each end of the window, so that queued
+    GPU work is inside it. Without a meter the reading carries ``unavailable_reason``.
+    """
+    reading = EnergyReading(unavailable_reason=None if meter else unavailable_reason)
+    if meter is None:
+        yield reading
+        return
+    if synchronize is not None:
+        synchronize()
+    started = meter.start()
+    yield reading
+    if synchronize is not None:
+        synchronize()
     try:
-        domains[0].read_text()
-    except PermissionError:
-        return MeterAvailability(None, f"{domains[0]} is not readable (RAPL is usually root-only); {nvml_reason}")
-    return MeterAvailability("rapl", f"Linux RAPL through powercap ({len(domains)} domains)")
+        reading.joules, reading.source = meter.stop(started), meter.name
+    except Exception as error:  # a counter that vanished mid-run (driver reset, permissions)
+        reading.unavailable_reason = f"{meter.name} failed during the window: {error}"

@@ -16,7 +16,7 @@ from polspec.store.engine import make_engine
 from polspec.store.items import DEFAULT_LEASE_S, Worker, database_id
 from polspec.store.migrate import require_current_schema
 from polspec.worker import HEARTBEAT_GRACE_S, HEARTBEAT_INTERVAL_S, context
-from polspec.worker.energy import detect_meter
+from polspec.worker.energy import open_meter
 from polspec.worker.model_cache import ModelCache
 from polspec.worker.worker import PolspecWorker
 
@@ -56,7 +56,8 @@ def run_worker(options: WorkerOptions, *, on_start: Callable[[Requeued, list[str
     require_current_schema(db_url)
     engine = make_engine(db_url)
     me = Worker.this_process()
-    context.install(context.WorkerContext(engine, database_id(engine), ModelCache(), me, detect_meter(),
+    meter, meter_reason = open_meter()
+    context.install(context.WorkerContext(engine, database_id(engine), ModelCache(), me, meter, meter_reason,
                                           options.lease_s))
     try:
         requeued = recover(engine, connection, me=me, lease_s=options.lease_s)

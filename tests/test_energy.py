@@ -1,0 +1,73 @@
+"""Energy meters against a fake powercap tree on disk, and the unavailable path on this machine."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from polspec.worker.energy import RaplMeter, detect_meter, measure_energy, open_meter
+
+
+def zone(root: Path, name: str, energy: int, wrap: int = 2**32) -> Path:
+    path = root / name
+    path.mkdir(parents=True)
+    (path / "energy_uj").write_text(f"{energy}\n")
+    (path / "max_energy_range_uj").write_text(f"{wrap}\n")
+    return path
+
+
+def test_rapl_sums_package_zones_and_ignores_sub_zones(tmp_path):
+    package0, package1 = zone(tmp_path, "intel-rapl:0", 5_000_000), zone(tmp_path, "intel-rapl:1", 1_000_000)
+    zone(tmp_path, "intel-rapl:0:0", 42)  # the cores inside package 0: counted in the package already
+    meter, about = open_meter(tmp_path)
+    assert isinstance(meter, RaplMeter) and "RAPL" in about
+    with measure_energy(meter, "unused") as reading:
+        (package0 / "energy_uj").write_text("7500000\n")
+        (package1 / "energy_uj").write_text("1500000\n")
+    assert reading.joules == pytest.approx(3.0) and reading.source == "rapl" and reading.unavailable_reason is None
+
+
+def test_rapl_counter_wraparound_is_added_back(tmp_path):
+    package = zone(tmp_path, "intel-rapl:0", 999_000_000, wrap=1_000_000_000)
+    meter = RaplMeter(tmp_path)
+    started = meter.start()
+    (package / "energy_uj").write_text("2000000\n")  # wrapped past 1000 J
+    assert meter.stop(started) == pytest.approx(3.0)
+
+
+def _open_as_nobody(root: str, answer) -> None:
+    os.setgid(65534)
+    os.setuid(65534)
+    meter, reason = open_meter(Path(root))
+    answer.put((meter is None, reason))
+
+
+def test_unreadable_rapl_is_unavailable_with_the_reason():
+    root = Path(tempfile.mkdtemp())  # pytest's own directories are private to their owner
+    root.chmod(0o755)
+    package = zone(root, "intel-rapl:0", 10)
+    (package / "energy_uj").chmod(0o400)  # readable by its owner only, like the real file
+    if os.geteuid() == 0:  # root reads anything: ask as an unprivileged user, in a child process
+        answer = multiprocessing.get_context("fork").Queue()
+        child = multiprocessing.get_context("fork").Process(target=_open_as_nobody, args=(str(root), answer))
+        child.start()
+        child.join(30)
+        unavailable, reason = answer.get(timeout=5)
+    else:
+        meter, reason = open_meter(root)
+        unavailable = meter is None
+    shutil.rmtree(root)
+    assert unavailable and "energy_uj is not readable (RAPL is usually root-only)" in reason
+
+
+def test_no_meter_here_gives_a_reason_not_zero(tmp_path):
+    availability = detect_meter(tmp_path / "no-powercap")
+    assert availability.name is None and "no RAPL package zones" in availability.reason
+    with measure_energy(None, availability.reason) as reading:
+        pass
+    assert reading.joules is None and reading.source is None and reading.unavailable_reason == availability.reason
