@@ -38,7 +38,7 @@ from polspec.store.migrate import (
 from polspec.store.schema import Batch, Item, Result, metadata
 from conftest import sqlite_url
 
-TABLES = {"batches", "items", "results", "polspec_meta", "alembic_version"}
+TABLES = {"batches", "cells", "items", "results", "polspec_meta", "alembic_version"}
 
 
 @pytest.fixture

@@ -49,13 +49,14 @@ def main() -> None:
 
 
 def _register() -> None:
-    from polspec.cli import control, db, demo, doctor, enqueue, generate, models, results, status, worker
+    from polspec.cli import control, db, demo, doctor, enqueue, generate, models, report, results, status, worker
 
     main.add_command(generate.generate)
     main.add_command(enqueue.enqueue)
     main.add_command(worker.worker)
     main.add_command(status.status)
     main.add_command(results.results)
+    main.add_command(report.report)
     main.add_command(control.recover)
     main.add_command(control.cancel)
     main.add_command(control.retry)

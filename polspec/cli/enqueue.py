@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import click
 
@@ -73,3 +74,34 @@ def _read_lines(path: str) -> list[bytes]:
             return handle.read().splitlines()
     except OSError as error:
         raise PolspecError(f"{path}: {error.strerror}") from None
+
+
+@enqueue.command("sweep")
+@click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="The sweep file (TOML); examples/sweep-offline.toml is one to start from.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object: batch, name, cells, items, enqueued.")
+def sweep(config_path: Path, as_json: bool) -> None:
+    """Queue an evaluation sweep: every draft, strategy, k and prefix on every dataset, plus a
+    target-only baseline per dataset, interleaved prompt by prompt so machine drift hits all alike.
+
+    Running the same file again resumes the sweep: finished items are kept.
+    Report it with `polspec report SWEEP_ID` when the worker is done.
+
+    \b
+    Example:
+      polspec enqueue sweep --config examples/sweep-offline.toml
+    """
+    from polspec.jobs.enqueue import enqueue_sweep
+    from polspec.jobs.sweep import load_sweep
+
+    plan = load_sweep(config_path)
+    done = enqueue_sweep(plan)
+    if as_json:
+        click.echo(json.dumps({"batch": done.batch_id, "name": done.name, "queue": done.queue, "cells": done.cells,
+                               "items": done.items, "enqueued": done.enqueued, "done": done.done,
+                               "resumed": done.resumed}))
+        return
+    verb = "resumed" if done.resumed else "queued"
+    click.echo(f"sweep {done.batch_id} ({done.name}) {verb}: {done.cells} cells, {done.items} items, "
+               f"{done.enqueued} enqueued on {done.queue}, {done.done} already done")
+    click.echo(f"run them with: polspec worker --burst    then: polspec report {done.batch_id}")

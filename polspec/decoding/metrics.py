@@ -23,6 +23,7 @@ class DecodeMetrics:
     candidates: int = 0
     candidates_accepted: int = 0
     boundary_misses: int = 0
+    rejections: int = 0  # rounds that ended on a rejected candidate (for the acceptance estimate)
     plain_rounds: int = 0  # rounds the auto draft length spent as plain target steps (k = 0)
     prefill_s: float = 0.0
     draft_s: float = 0.0

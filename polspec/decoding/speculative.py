@@ -164,6 +164,7 @@ def generate_speculative(
         metrics.rounds += 1
         metrics.draft_tokens += len(proposal)
         metrics.candidates += len(candidates)
+        metrics.rejections += accepted < len(candidates)
         metrics.candidates_accepted += min(accepted, len(new))
         metrics.draft_tokens_accepted += _draft_tokens_inside(
             draft_table, proposal, target_table, new[: min(accepted, len(new))]

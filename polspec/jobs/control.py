@@ -49,7 +49,8 @@ def recover(engine: Engine, connection: redis.Redis, batch_id: int | None = None
     now = utcnow()
     query = (select(Item, Batch.spec).join(Batch)
              .where(Item.status.in_([Status.QUEUED.value, Status.RUNNING.value]),
-                    Batch.status != Status.CANCELLED.value))
+                    Batch.status != Status.CANCELLED.value)
+             .order_by(Item.id))  # enqueue order: a sweep's items were written drift-fair
     if batch_id is not None:
         query = query.where(Item.batch_id == batch_id)
     with session_scope(engine) as session:

@@ -5,16 +5,20 @@
 - ``pl-short``: short questions with short answers.
 
 Each line is ``{"id": ..., "prompt": ...}``, the same format ``polspec enqueue generate --input``
-reads, so a dataset is validated by the same code as a user's file.
+reads, so a dataset is validated by the same code as a user's file. Sweeps also take a path to
+such a file, and ``hf:OWNER/NAME[:SPLIT]`` for a Hugging Face dataset (needs the optional
+``datasets`` package and access to the hub; the prompt is its ``prompt``, ``instruction``,
+``question`` or ``text`` column).
 """
 
 from __future__ import annotations
 
 from importlib import resources
+from pathlib import Path
 
 from polspec.decoding.params import DecodingParams
 from polspec.errors import PolspecError
-from polspec.jobs.spec import ItemInput, parse_jsonl
+from polspec.jobs.spec import ItemInput, parse_item, parse_jsonl
 
 DATASETS = {
     "pl-wiki": "encyclopedic openings to continue",
@@ -23,12 +27,45 @@ DATASETS = {
 }
 
 
+HF_COLUMNS = ("prompt", "instruction", "question", "text")
+
+
 def load_dataset(name: str, base: DecodingParams, limit: int | None = None) -> list[ItemInput]:
-    """The first ``limit`` items (all without a limit) of a built-in dataset."""
-    if name not in DATASETS:
-        known = ", ".join(f"{key} ({about})" for key, about in DATASETS.items())
-        raise PolspecError(f"unknown dataset {name!r}; built-in: {known}")
+    """The first ``limit`` items (all without a limit) of a built-in set, a JSONL file or ``hf:`` set."""
     if limit is not None and limit < 1:
         raise PolspecError(f"the item limit must be at least 1, got {limit}")
+    if name.startswith("hf:"):
+        return _hugging_face(name[3:], base, limit)
+    if name.endswith(".jsonl"):
+        path = Path(name).expanduser()
+        try:
+            data = path.read_bytes()
+        except OSError as error:
+            raise PolspecError(f"{path}: {error.strerror}") from None
+        return parse_jsonl(data.splitlines(), str(path), base)[:limit]
+    if name not in DATASETS:
+        known = ", ".join(f"{key} ({about})" for key, about in DATASETS.items())
+        raise PolspecError(f"unknown dataset {name!r}; built-in: {known}; or a .jsonl file, or hf:OWNER/NAME")
     data = resources.files("polspec.data").joinpath(f"{name}.jsonl").read_bytes()
     return parse_jsonl(data.splitlines(), f"dataset {name}", base)[:limit]
+
+
+def _hugging_face(name: str, base: DecodingParams, limit: int | None) -> list[ItemInput]:
+    try:
+        import datasets
+    except ImportError:
+        raise PolspecError(f"hf:{name} needs the datasets package: pip install 'polspec[hf]'") from None
+    repo, _, split = name.partition(":")
+    try:
+        rows = datasets.load_dataset(repo, split=split or "train", streaming=True)
+    except Exception as error:  # the hub client raises many kinds (offline, not found, gated)
+        raise PolspecError(f"hf:{name}: cannot load it: {error}") from None
+    items = []
+    for index, row in enumerate(rows):
+        if limit is not None and index >= limit:
+            break
+        column = next((key for key in HF_COLUMNS if isinstance(row.get(key), str)), None)
+        if column is None:
+            raise PolspecError(f"hf:{name}: rows have none of the columns {', '.join(HF_COLUMNS)}")
+        items.append(parse_item({"id": str(row.get("id", index)), "prompt": row[column]}, f"hf:{name} row {index}", base))
+    return items

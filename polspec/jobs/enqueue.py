@@ -1,4 +1,5 @@
-"""Turn a validated request into a batch in the database and jobs on the target's queue.
+"""Turn a validated request (a generation batch or a sweep) into rows in the database and jobs
+on the target's queue.
 
 Order matters for "never half-created": models and Redis are checked first, then the batch and
 its items are written in one transaction, then the jobs are enqueued. If enqueueing fails
@@ -10,16 +11,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import redis
-from sqlalchemy import Engine, delete, select
+from sqlalchemy import Engine, delete, func, select, update
+from sqlalchemy.orm import Session
 
 from polspec.errors import PolspecError
 from polspec.jobs.queue import connect, display_redis_url, enqueue_items, queue_name
+from polspec.jobs.control import recover
 from polspec.jobs.spec import GenerateSpec, ItemInput, check_models
+from polspec.jobs.sweep import SweepPlan
 from polspec.settings import redis_url
 from polspec.store.engine import make_engine, session_scope
 from polspec.store.items import database_id
 from polspec.store.migrate import ensure_schema
-from polspec.store.schema import Batch, Item
+from polspec.store.schema import Batch, Cell, Item
 
 
 @dataclass(frozen=True)
@@ -94,3 +98,77 @@ def _remove(engine: Engine, batch_id: int, created: bool, item_ids: list[int]) -
             session.execute(delete(Batch).where(Batch.id == batch_id))
         else:
             session.execute(delete(Item).where(Item.id.in_(item_ids)))
+
+
+@dataclass(frozen=True)
+class SweepEnqueued:
+    """What ``enqueue_sweep`` did: a new sweep (``resumed`` False) or the unfinished part of an old one."""
+
+    batch_id: int
+    name: str
+    queue: str
+    cells: int
+    items: int
+    enqueued: int
+    done: int
+    resumed: bool
+
+
+def enqueue_sweep(plan: SweepPlan, *, db_url: str | None = None, queue_url: str | None = None) -> SweepEnqueued:
+    """Write a sweep (batch, cells, items) and enqueue its items in the plan's order.
+
+    A sweep of the same name with the same configuration is resumed instead: its finished
+    items are kept, failed ones are queued again, and whatever has no job gets one.
+    """
+    queue_url = queue_url or redis_url()
+    connection = connect(queue_url)
+    ensure_schema(db_url)
+    engine = make_engine(db_url)
+    name = queue_name(plan.spec.target)
+    try:
+        with session_scope(engine) as session:
+            batch = session.scalar(select(Batch).where(Batch.name == plan.name))
+            if batch is not None:
+                if batch.kind != "sweep" or batch.spec.get("config") != plan.config:
+                    raise PolspecError(f"a batch named {plan.name!r} (id {batch.id}) exists with another "
+                                       "configuration; give the sweep another name")
+                session.execute(update(Item).where(Item.batch_id == batch.id, Item.status == "failed")
+                                .values(status="queued", finished_at=None))
+                batch.status = "running"
+                batch_id = batch.id
+            else:
+                batch_id = _write_sweep(session, plan)
+        if batch is not None:
+            enqueued = recover(engine, connection, batch_id).total
+        else:
+            with session_scope(engine) as session:
+                rows = session.execute(select(Item.id, Item.params).where(Item.batch_id == batch_id)
+                                       .order_by(Item.id)).all()
+            try:
+                enqueue_items(connection, name, database_id(engine), [(row.id, row.params["max_tokens"]) for row in rows])
+            except redis.RedisError as error:
+                _remove(engine, batch_id, True, [])
+                raise PolspecError(f"Redis at {display_redis_url(queue_url)} failed while enqueueing ({error}); "
+                                   "nothing was added to the database") from None
+            enqueued = len(rows)
+        with session_scope(engine) as session:
+            done = session.scalar(select(func.count()).select_from(Item)
+                                  .where(Item.batch_id == batch_id, Item.status == "done"))
+        return SweepEnqueued(batch_id, plan.name, name, len(plan.cells), len(plan.items), enqueued, done,
+                             batch is not None)
+    finally:
+        engine.dispose()
+
+
+def _write_sweep(session: Session, plan: SweepPlan) -> int:
+    batch = Batch(kind="sweep", name=plan.name, spec=plan.spec.as_dict() | {"kind": "sweep", "config": plan.config})
+    session.add(batch)
+    session.flush()
+    cells = {cell.key: Cell(batch_id=batch.id, key=cell.key, config=cell.config, baseline=cell.baseline)
+             for cell in plan.cells}
+    session.add_all(cells.values())
+    session.flush()
+    session.add_all(Item(batch_id=batch.id, cell_id=cells[item.cell].id, item_key=item.key, prompt=item.item.prompt,
+                         messages=item.item.messages, params=item.item.overrides) for item in plan.items)
+    session.flush()
+    return batch.id

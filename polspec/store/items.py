@@ -102,8 +102,10 @@ def claim_item(engine: Engine, item_id: int, me: Worker, lease_s: float = DEFAUL
         item.last_error = None
         if item.batch.status == Status.QUEUED.value:
             item.batch.status = Status.RUNNING.value
-        return Claim(item.id, item.item_key, item.prompt, item.messages, dict(item.params), dict(item.batch.spec),
-                     item.attempts)
+        spec = dict(item.batch.spec)
+        if item.cell is not None:  # a sweep item: its cell says which draft
+            spec["draft"] = item.cell.config["draft"]
+        return Claim(item.id, item.item_key, item.prompt, item.messages, dict(item.params), spec, item.attempts)
 
 
 def renew_lease(engine: Engine, item_id: int, me: Worker) -> bool:

@@ -11,6 +11,8 @@ The database is the record of every batch; Redis only delivers work. Contract:
 - ``polspec_meta``: facts about the database itself; ``database_id`` is a random id made
   when the schema is created. Job ids carry it, so a worker never runs a job that was
   enqueued against another database sharing its Redis.
+- ``cells``: the configurations of a sweep (a batch of kind ``sweep``); each of its items
+  belongs to one cell. Generation batches have no cells.
 - ``results``: at most one row per item (``item_id`` is unique), so a retried item can never
   produce two results. Raw outputs (``text``, ``token_ids``) are kept apart from ``metrics``
   so metrics can be recomputed without regenerating. Energy is either measured (joules with
@@ -141,6 +143,23 @@ class Batch(Base):
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
 
     items: Mapped[list[Item]] = relationship(back_populates="batch", passive_deletes=True)
+    cells: Mapped[list[Cell]] = relationship(back_populates="batch", passive_deletes=True)
+
+
+class Cell(Base):
+    """One configuration of a sweep: dataset, draft (None for the target-only baseline),
+    strategy, k, prefix and seed, in ``config``. Its items are the dataset's prompts."""
+
+    __tablename__ = "cells"
+    __table_args__ = (UniqueConstraint("batch_id", "key"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    batch_id: Mapped[int] = mapped_column(ForeignKey("batches.id", ondelete="CASCADE"))
+    key: Mapped[str]
+    config: Mapped[dict[str, Any]]
+    baseline: Mapped[bool]
+
+    batch: Mapped[Batch] = relationship(back_populates="cells")
 
 
 class Item(Base):
@@ -164,6 +183,7 @@ class Item(Base):
 
     id: Mapped[int] = mapped_column(primary_key=True)
     batch_id: Mapped[int] = mapped_column(ForeignKey("batches.id", ondelete="CASCADE"))
+    cell_id: Mapped[int | None] = mapped_column(ForeignKey("cells.id", ondelete="CASCADE"), index=True)
     item_key: Mapped[str]
     prompt: Mapped[str | None] = mapped_column(Text)
     messages: Mapped[list[dict[str, Any]] | None]
@@ -180,6 +200,7 @@ class Item(Base):
     finished_at: Mapped[datetime | None]
 
     batch: Mapped[Batch] = relationship(back_populates="items")
+    cell: Mapped[Cell | None] = relationship()
     result: Mapped[Result | None] = relationship(back_populates="item", passive_deletes=True)
 
 

@@ -1,0 +1,174 @@
+"""Evaluation sweeps: a TOML grid expanded into cells and items, enqueued in a drift-fair order.
+
+A sweep file names one target and the grid to run on it::
+
+    name = "offline"                            # optional; re-running a named sweep resumes it
+    target = "qwen2.5-coder-1.5b"
+    drafts = ["gemma3-270m", "smollm2-135m"]
+    strategies = ["naive", "context", "aligned"]
+    k = [1, 2, 3, 4, 6, "auto"]                 # numbers and policy names (heuristic, confidence, auto)
+    prefix = [5]
+    datasets = ["pl-wiki", "pl-instruct", { name = "pl-short", limit = 10 }]
+    limit = 20                                  # items per dataset unless the dataset says otherwise
+    max_tokens = 64
+    temperature = 0.0
+    seeds = [0]
+    repeats = 1
+    raw = true                                  # continue text instead of the chat templates
+
+A *cell* is one configuration (dataset, draft, strategy, k, prefix, seed); every dataset and
+seed also gets a target-only *baseline* cell. An *item* is one prompt in one cell (and one
+repeat). Items are enqueued prompt by prompt: the baseline item of a prompt, then every
+speculative cell's item for the same prompt, so that machine drift (thermal throttling, other
+load) hits baseline and speculation alike, and the target and drafts stay resident throughout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tomllib
+from dataclasses import dataclass, field
+from itertools import product
+from pathlib import Path
+from typing import Any
+
+from polspec.decoding.params import DecodingParams
+from polspec.errors import PolspecError
+from polspec.jobs.datasets import load_dataset
+from polspec.jobs.spec import GenerateSpec, ItemInput, check_models
+
+SWEEP_KEYS = {"name", "target", "drafts", "strategies", "k", "prefix", "datasets", "limit", "max_tokens",
+              "temperature", "top_p", "top_k", "seeds", "repeats", "raw"}
+DATASET_KEYS = {"name", "limit"}
+GRID_KEYS = ("drafts", "strategies", "k", "prefix", "datasets", "seeds")
+
+
+@dataclass(frozen=True)
+class CellPlan:
+    key: str
+    config: dict[str, Any]
+    baseline: bool
+    params: DecodingParams
+
+
+@dataclass(frozen=True)
+class ItemPlan:
+    cell: str
+    key: str
+    item: ItemInput
+
+
+@dataclass
+class SweepPlan:
+    """A validated, expanded sweep: its name, spec, cells and items in enqueue order."""
+
+    name: str
+    spec: GenerateSpec
+    config: dict[str, Any]
+    cells: list[CellPlan] = field(default_factory=list)
+    items: list[ItemPlan] = field(default_factory=list)
+
+
+def load_sweep(path: Path) -> SweepPlan:
+    """Read, validate and expand a sweep file; every problem is one error naming the file and key."""
+    try:
+        config = tomllib.loads(path.read_text(encoding="utf-8"))
+    except OSError as error:
+        raise PolspecError(f"{path}: {error.strerror}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
+        raise PolspecError(f"{path}: not valid TOML: {error}") from None
+    return expand_sweep(config, str(path))
+
+
+def expand_sweep(config: dict[str, Any], source: str) -> SweepPlan:
+    """Cells and items of a sweep configuration (see the module docstring for the keys)."""
+    unknown = sorted(set(config) - SWEEP_KEYS)
+    if unknown:
+        raise PolspecError(f"{source}: unknown key {unknown[0]!r} (allowed: {', '.join(sorted(SWEEP_KEYS))})")
+    if not isinstance(config.get("target"), str):
+        raise PolspecError(f"{source}: 'target' must name the target model")
+    grid = {key: _list(config, key, source) for key in GRID_KEYS if key != "datasets"}
+    grid.setdefault("seeds", [0])
+    datasets = _datasets(config, source)
+    repeats = config.get("repeats", 1)
+    if not isinstance(repeats, int) or repeats < 1:
+        raise PolspecError(f"{source}: 'repeats' must be a whole number of at least 1")
+    base = _params(config, source, k=2, strategy="aligned", prefix=5, seed=None)
+    raw = config.get("raw", False)
+    if not isinstance(raw, bool):
+        raise PolspecError(f"{source}: 'raw' must be true or false")
+    spec = GenerateSpec(config["target"], None, base, False if raw else None, source)
+
+    try:
+        prompts = {name: load_dataset(name, base, limit) for name, limit in datasets}
+    except PolspecError as error:
+        raise PolspecError(f"{source}: 'datasets': {error}") from None
+    for draft in [None, *grid["drafts"]]:
+        check_models(GenerateSpec(spec.target, draft, base, spec.chat, source),
+                     [item for items in prompts.values() for item in items])
+
+    plan = SweepPlan(config.get("name") or _default_name(config), spec, dict(config))
+    per_prompt: dict[str, list[CellPlan]] = {}
+    for (dataset, _), seed in product(datasets, grid["seeds"]):
+        baseline = CellPlan(f"{dataset}/baseline/s{seed}", {"dataset": dataset, "draft": None, "seed": seed}, True,
+                            _params(config, source, k=2, strategy="aligned", prefix=5, seed=seed))
+        cells = [baseline]
+        for draft, strategy, k, prefix in product(grid["drafts"], grid["strategies"], grid["k"], grid["prefix"]):
+            cells.append(CellPlan(
+                f"{dataset}/{draft}/{strategy}/k{k}/p{prefix}/s{seed}",
+                {"dataset": dataset, "draft": draft, "strategy": strategy, "k": k, "prefix": prefix, "seed": seed},
+                False, _params(config, source, k=k, strategy=strategy, prefix=prefix, seed=seed)))
+        per_prompt.setdefault(dataset, []).extend(cells)
+        plan.cells.extend(cells)
+    for dataset, _ in datasets:
+        for item, repeat in product(prompts[dataset], range(repeats)):
+            for cell in per_prompt[dataset]:
+                key = f"{cell.key}/{item.key}/r{repeat}"
+                plan.items.append(ItemPlan(cell.key, key, ItemInput(key, item.prompt, item.messages,
+                                                                     cell.params.as_dict())))
+    return plan
+
+
+def _list(config: dict[str, Any], key: str, source: str) -> list:
+    if key not in config:
+        if key == "seeds":
+            return [0]
+        raise PolspecError(f"{source}: '{key}' is missing")
+    values = config[key]
+    if not isinstance(values, list) or not values:
+        raise PolspecError(f"{source}: '{key}' must be a non-empty list")
+    if len(set(map(str, values))) != len(values):
+        raise PolspecError(f"{source}: '{key}' lists a value twice")
+    return values
+
+
+def _datasets(config: dict[str, Any], source: str) -> list[tuple[str, int | None]]:
+    default = config.get("limit")
+    if default is not None and (not isinstance(default, int) or default < 1):
+        raise PolspecError(f"{source}: 'limit' must be a whole number of at least 1")
+    chosen = []
+    for entry in _list(config, "datasets", source):
+        if isinstance(entry, str):
+            chosen.append((entry, default))
+        elif isinstance(entry, dict):
+            unknown = sorted(set(entry) - DATASET_KEYS)
+            if unknown or "name" not in entry:
+                raise PolspecError(f"{source}: a dataset entry takes 'name' and 'limit', got {sorted(entry)}")
+            chosen.append((entry["name"], entry.get("limit", default)))
+        else:
+            raise PolspecError(f"{source}: 'datasets' entries are names or {{ name = ..., limit = ... }} tables")
+    return chosen
+
+
+def _params(config: dict[str, Any], source: str, **grid_point) -> DecodingParams:
+    options = {key: config[key] for key in ("max_tokens", "temperature", "top_p", "top_k") if key in config}
+    try:
+        return DecodingParams(**options, **grid_point)
+    except (PolspecError, TypeError) as error:
+        raise PolspecError(f"{source}: {error}") from None
+
+
+def _default_name(config: dict[str, Any]) -> str:
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:10]
+    return f"sweep-{digest}"

@@ -1,0 +1,161 @@
+"""Sweeps: expansion, bad configs, a small sweep through the worker, resume, and its report."""
+
+from __future__ import annotations
+
+import json
+import signal
+import statistics
+from pathlib import Path
+
+import pytest
+import redis
+from click.testing import CliRunner
+from sqlalchemy import select
+
+from polspec.cli import main
+from polspec.decoding.costmodel import Probe, break_even_acceptance, predicted_speedup, save_probe
+from polspec.errors import PolspecError
+from polspec.jobs.sweep import expand_sweep
+from polspec.store.engine import make_engine, session_scope
+from polspec.store.schema import Cell, Item, Result
+from test_faults import start_worker, statuses, wait_for
+
+SMALL = """
+name = "small"
+target = "gemma3-270m"
+drafts = ["smollm2-135m"]
+strategies = ["aligned", "naive"]
+k = [1, 2]
+prefix = [5]
+datasets = [{ name = "pl-short", limit = 2 }]
+max_tokens = 4
+raw = true
+"""
+
+
+def config(**changes) -> dict:
+    base = {"target": "gemma3-270m", "drafts": ["smollm2-135m"], "strategies": ["aligned", "context", "naive"],
+            "k": [1, 2, "auto"], "prefix": [5], "datasets": ["pl-short", {"name": "pl-wiki", "limit": 3}],
+            "limit": 4, "max_tokens": 8, "seeds": [0, 1], "repeats": 2, "raw": True}
+    return {key: value for key, value in (base | changes).items() if value is not None}
+
+
+def test_expansion_counts_baselines_and_drift_fair_order():
+    plan = expand_sweep(config(), "test.toml")
+    # per dataset and seed: one baseline plus 1 draft x 3 strategies x 3 k x 1 prefix
+    assert len(plan.cells) == 2 * 2 * (1 + 9)
+    assert sum(cell.baseline for cell in plan.cells) == 4
+    assert len(plan.items) == (4 + 3) * 2 * 2 * 10  # prompts x seeds x repeats x cells
+    assert len({item.key for item in plan.items}) == len(plan.items)
+    first = plan.items[:20]  # the first prompt: its baseline, then every speculative cell, per seed
+    assert first[0].cell == "pl-short/baseline/s0" and first[0].key == "pl-short/baseline/s0/short-001/r0"
+    assert {item.key.split("/")[-2] for item in first} == {"short-001"}
+    assert plan.items[1].item.overrides["k"] == 1 and plan.items[1].item.overrides["strategy"] == "aligned"
+    assert plan.name.startswith("sweep-") and expand_sweep(config(), "x").name == plan.name
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"drafs": ["x"]}, "test.toml: unknown key 'drafs'"),
+    ({"k": []}, "test.toml: 'k' must be a non-empty list"),
+    ({"strategies": None}, "test.toml: 'strategies' is missing"),
+    ({"datasets": ["pl-nowe"]}, "test.toml: 'datasets': unknown dataset 'pl-nowe'"),
+    ({"k": [0]}, "test.toml: k must be between 1 and 16, got 0"),
+    ({"strategies": ["exact"]}, "test.toml: unknown strategy 'exact'"),
+    ({"drafts": ["smollm"]}, "unknown model alias 'smollm'"),
+    ({"target": "qwen2.5-coder-1.5b", "drafts": ["gemma3-270m"], "raw": False}, "draft gemma3-270m has no chat template"),
+    ({"repeats": 0}, "'repeats' must be a whole number of at least 1"),
+    ({"k": [2, 2]}, "'k' lists a value twice"),
+])
+def test_bad_configs_name_the_key(changes, message):
+    with pytest.raises(PolspecError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        expand_sweep(config(**changes), "test.toml")
+
+
+def test_not_toml_is_one_line(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text("target = [\n")
+    result = CliRunner().invoke(main, ["enqueue", "sweep", "--config", str(path)])
+    assert result.exit_code == 1 and f"{path}: not valid TOML" in result.output and result.output.count("\n") == 1
+
+
+@pytest.fixture
+def env(home_with_models, tmp_path, redis_url) -> dict[str, str]:
+    redis.Redis.from_url(redis_url).flushall()
+    return {"POLSPEC_DB_URL": f"sqlite:///{tmp_path / 'sweep.db'}", "POLSPEC_REDIS_URL": redis_url,
+            "POLSPEC_HOME": str(home_with_models)}
+
+
+def cli(env, *args) -> tuple[int, str]:
+    result = CliRunner().invoke(main, list(args), env=env)
+    return result.exit_code, result.output
+
+
+def stored(env) -> dict[str, tuple[Cell, Item, Result | None]]:
+    engine = make_engine(env["POLSPEC_DB_URL"])
+    with session_scope(engine) as session:
+        rows = session.execute(select(Cell, Item, Result).join(Item, Item.cell_id == Cell.id)
+                               .outerjoin(Result, Result.item_id == Item.id)).all()
+    engine.dispose()
+    return {item.item_key: (cell, item, result) for cell, item, result in rows}
+
+
+@pytest.mark.slow
+def test_small_sweep_runs_resumes_and_reports_numbers_recomputable_by_hand(env, tmp_path):
+    sweep_file = tmp_path / "small.toml"
+    sweep_file.write_text(SMALL)
+    probe = Probe("gemma3-270m", "smollm2-135m", c=0.5, rho=(1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7, 1.8), tau=0.05)
+    save_probe(probe)
+    code, output = cli(env, "enqueue", "sweep", "--config", str(sweep_file), "--json")
+    assert code == 0, output
+    queued = json.loads(output)
+    assert (queued["cells"], queued["items"], queued["enqueued"], queued["resumed"]) == (5, 10, 10, False)
+    worker = start_worker(env, "--burst")
+    wait_for(lambda: statuses(env).get("done", 0) >= 3, 240, "three items done")
+    worker.send_signal(signal.SIGKILL)  # a worker restart midway
+    worker.wait()
+    before = {key: result.id for key, (_, _, result) in stored(env).items() if result is not None}
+
+    code, output = cli(env, "enqueue", "sweep", "--config", str(sweep_file), "--json")
+    resumed = json.loads(output)
+    assert resumed["resumed"] and resumed["batch"] == queued["batch"] and resumed["done"] == len(before)
+    # The queued items still have their jobs; only the killed worker's item needs a new one.
+    assert resumed["enqueued"] in (0, 1)
+    start_worker(env, "--burst").communicate(timeout=300)
+    rows = stored(env)
+    assert all(result is not None for _, _, result in rows.values())
+    assert {key: rows[key][2].id for key in before} == before  # finished items were not redone
+    assert all(item.attempts == 1 for key, (_, item, _) in rows.items() if key in before)
+
+    code, output = cli(env, "report", str(queued["batch"]), "--format", "json", "--plots", str(tmp_path / "plots"))
+    assert code == 0, output
+    report = json.loads(output.splitlines()[0])
+    assert len(report["rows"]) == 4 and report["missing_probe"] == []
+    row = next(r for r in report["rows"] if r["strategy"] == "aligned" and r["k"] == "2")
+    members = [(key, result) for key, (cell, _, result) in rows.items()
+               if not cell.baseline and cell.config["strategy"] == "aligned" and cell.config["k"] == 2]
+    ratios = []
+    for key, result in members:
+        baseline = rows["pl-short/baseline/s0/" + key.split("/", 6)[-1]][2]
+        ratios.append(result.decode_tokens_per_s / baseline.decode_tokens_per_s)
+    assert row["prompts"] == 2 and row["speedup"] == pytest.approx(statistics.fmean(ratios))
+    accepted = sum(result.metrics["candidates_accepted"] for _, result in members)
+    candidates = sum(result.metrics["candidates"] for _, result in members)
+    rejections = sum(result.metrics["rejections"] for _, result in members)
+    drafted = sum(result.metrics["draft_tokens"] for _, result in members)
+    assert row["acceptance_per_candidate"] == pytest.approx(accepted / candidates)
+    a_hat = accepted / (accepted + rejections)
+    assert row["predicted_speedup"] == pytest.approx(predicted_speedup(probe, a_hat, 2, candidates / drafted))
+    assert row["break_even_acceptance"] == pytest.approx(break_even_acceptance(probe, 2, candidates / drafted))
+    assert row["joules_per_token"] is None  # no meter here: unavailable, never 0
+    for name in ("speedup-by-k.png", "acceptance.png", "predicted-vs-measured.png"):
+        assert (tmp_path / "plots" / name).read_bytes().startswith(b"\x89PNG") and (tmp_path / "plots" / name).stat().st_size > 5000
+
+    code, output = cli(env, "report", str(queued["batch"]))
+    assert "## pl-short" in output and "| smollm2-135m | aligned | 2 | 2 |" in output
+    code, output = cli(env, "status", "--json")
+    assert json.loads(output.splitlines()[0])["kind"] == "sweep"
+
+
+def test_report_of_a_missing_sweep_is_one_line(env):
+    code, output = cli(env, "report", "99")
+    assert code == 1 and "no sweep 99" in output and output.count("\n") == 1
