@@ -30,7 +30,8 @@ _OPTIONS = [
     click.option("--draft", default="none", show_default=True, help="Draft model alias, or none for target-only decoding."),
     click.option("--k", "k", default="2", show_default=True, type=DraftLengthType(),
                  help="Draft tokens per round, or a policy: heuristic (adapts to acceptance), "
-                      "confidence (stops when the draft is unsure)."),
+                      "confidence (stops when the draft is unsure), auto (from this machine's cost model, "
+                      "see polspec models probe; plain decoding when speculation cannot pay)."),
     click.option("--strategy", default="aligned", show_default=True, type=click.Choice(STRATEGIES),
                  help="How draft tokens become target tokens when the tokenizers differ."),
     click.option("--prefix", default=5, show_default=True, type=int, help="Committed target tokens of context for translation."),

@@ -19,7 +19,8 @@ from polspec.store.queries import BatchProgress
 @click.option("--interval", default=2.0, show_default=True, help="Seconds between refreshes with --watch.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per batch and line.")
 def status(batch_id: int | None, watch: bool, interval: float, as_json: bool) -> None:
-    """Show every batch (newest first), or one: items done, failed, running, queued, speed, time left.
+    """Show every batch and sweep (newest first), or one: items done, failed, running, queued,
+    speed, time left.
 
     \b
     Examples:
@@ -56,16 +57,16 @@ def _table(batches: list[BatchProgress]) -> Table | str:
     if not batches:
         return "no batches yet: polspec enqueue generate --help shows how to add one"
     table = Table(title="polspec batches")
-    for heading in ("batch", "name", "status", "models", "progress", "done", "failed", "running", "queued",
+    for heading in ("batch", "kind", "name", "status", "models", "progress", "done", "failed", "running", "queued",
                     "tok/s", "ETA"):
         table.add_column(heading, justify="right" if heading in ("batch", "done", "failed", "running", "queued",
                                                                  "tok/s") else "left")
     for batch in batches:
         share = batch.finished / batch.total if batch.total else 0.0
         bar = "█" * round(share * 12) + "░" * (12 - round(share * 12))
-        models = batch.target + (f" + {batch.draft}" if batch.draft else "")
+        models = batch.target + (f" + {batch.draft}" if batch.draft else " + drafts" if batch.kind == "sweep" else "")
         speed = f"{batch.tokens_per_s:.1f}" if batch.tokens_per_s else "-"
-        table.add_row(str(batch.id), batch.name or "", batch.status, models, f"{bar} {share:4.0%}",
+        table.add_row(str(batch.id), batch.kind, batch.name or "", batch.status, models, f"{bar} {share:4.0%}",
                       *(str(batch.counts.get(s, 0)) for s in ("done", "failed", "running", "queued")),
                       speed, _duration(batch.eta_s))
     return table
