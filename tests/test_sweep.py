@@ -159,3 +159,18 @@ def test_small_sweep_runs_resumes_and_reports_numbers_recomputable_by_hand(env, 
 def test_report_of_a_missing_sweep_is_one_line(env):
     code, output = cli(env, "report", "99")
     assert code == 1 and "no sweep 99" in output and output.count("\n") == 1
+
+
+def test_datasets_from_jsonl_files_and_a_clear_error_for_hf_without_the_package(tmp_path):
+    from polspec.decoding.params import DecodingParams
+    from polspec.jobs.datasets import load_dataset
+
+    path = tmp_path / "moje.jsonl"
+    path.write_text('{"id": "x", "prompt": "Zażółć gęślą jaźń"}\n', encoding="utf-8")
+    plan = expand_sweep(config(datasets=[str(path)]), "test.toml")
+    assert {item.item.prompt for item in plan.items} == {"Zażółć gęślą jaźń"}
+    try:
+        import datasets  # noqa: F401
+    except ImportError:
+        with pytest.raises(PolspecError, match=r"hf:speakleash/x needs the datasets package: pip install 'polspec\[hf\]'"):
+            load_dataset("hf:speakleash/x", DecodingParams())
