@@ -8,12 +8,9 @@ exactly one result.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
-from collections.abc import Callable
 
 import pytest
 import redis
@@ -28,6 +25,8 @@ from polspec.cli import main
 from polspec.jobs.queue import queue_name
 from polspec.store.engine import make_engine, session_scope
 from polspec.store.schema import Item, Result
+from conftest import sqlite_url
+from helpers import start_worker, statuses, wait_for
 
 pytestmark = pytest.mark.slow
 TARGET = "smollm2-135m"
@@ -38,27 +37,6 @@ def enqueue(env: dict[str, str], limit: int, max_tokens: int) -> int:
                                        "--target", TARGET, "--max-tokens", str(max_tokens), "--raw", "--json"], env=env)
     assert result.exit_code == 0, result.output
     return json.loads(result.output)["batch"]
-
-
-def start_worker(env: dict[str, str], *args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", "from polspec.cli import main; main()", "worker", *args],
-                            env=os.environ | env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def statuses(env: dict[str, str]) -> dict[str, int]:
-    engine = make_engine(env["POLSPEC_DB_URL"])
-    with session_scope(engine) as session:
-        rows = session.execute(select(Item.status, func.count()).group_by(Item.status)).all()
-    engine.dispose()
-    return dict(rows)
-
-
-def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.1)
 
 
 def finish(worker: subprocess.Popen, timeout: float = 300) -> str:
@@ -79,7 +57,15 @@ def assert_each_item_done_once(env: dict[str, str], count: int) -> list[Item]:
 
 
 @pytest.fixture
-def env(db_url: str, redis_url: str) -> dict[str, str]:
+def env(tmp_path, redis_url: str) -> dict[str, str]:
+    """SQLite: the faults here are the queue's; the database's own are covered on both backends."""
+    redis.Redis.from_url(redis_url).flushall()
+    return {"POLSPEC_DB_URL": sqlite_url(tmp_path), "POLSPEC_REDIS_URL": redis_url}
+
+
+@pytest.fixture
+def any_db_env(db_url: str, redis_url: str) -> dict[str, str]:
+    """SQLite, and PostgreSQL too when POLSPEC_TEST_PG_URL is set."""
     redis.Redis.from_url(redis_url).flushall()
     return {"POLSPEC_DB_URL": db_url, "POLSPEC_REDIS_URL": redis_url}
 
@@ -99,8 +85,8 @@ def test_worker_killed_mid_batch_then_restarted_does_every_item_once(env):
     assert sorted(item.attempts for item in items) == [1, 1, 1, 1, 1, 2]
 
 
-def test_redis_restarted_mid_batch_loses_nothing(redis_server, db_url):
-    env = {"POLSPEC_DB_URL": db_url, "POLSPEC_REDIS_URL": redis_server.url}
+def test_redis_restarted_mid_batch_loses_nothing(redis_server, tmp_path):
+    env = {"POLSPEC_DB_URL": sqlite_url(tmp_path), "POLSPEC_REDIS_URL": redis_server.url}
     enqueue(env, limit=6, max_tokens=16)
     worker = start_worker(env, "--burst")
     wait_for(lambda: statuses(env).get("done", 0) >= 2, 240, "two items done")
@@ -109,12 +95,13 @@ def test_redis_restarted_mid_batch_loses_nothing(redis_server, db_url):
     assert_each_item_done_once(env, 6)
 
 
-def test_two_workers_on_one_queue_never_duplicate(env):
-    enqueue(env, limit=10, max_tokens=8)
+def test_two_workers_on_one_queue_never_duplicate(any_db_env):
+    env = any_db_env
+    enqueue(env, limit=8, max_tokens=8)
     workers = [start_worker(env, "--burst") for _ in range(2)]
     for worker in workers:
         finish(worker)
-    items = assert_each_item_done_once(env, 10)
+    items = assert_each_item_done_once(env, 8)
     assert all(item.attempts == 1 for item in items)
 
 

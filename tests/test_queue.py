@@ -25,6 +25,7 @@ from polspec.store.engine import make_engine, session_scope
 from polspec.store.migrate import upgrade
 from polspec.store.schema import Item, Result
 from polspec.worker.run import WorkerOptions, run_worker
+from conftest import sqlite_url
 
 PROMPTS = [
     "Jaka jest stolica Czech?", "Ile nóg ma pająk?", "Kto napisał „Pana Tadeusza”?", "Gdzie leży Zakopane?",
@@ -34,7 +35,14 @@ PROMPTS = [
 
 
 @pytest.fixture
-def env(db_url: str, redis_url: str) -> dict[str, str]:
+def env(tmp_path, redis_url: str) -> dict[str, str]:
+    redis.Redis.from_url(redis_url).flushall()
+    return {"POLSPEC_DB_URL": sqlite_url(tmp_path), "POLSPEC_REDIS_URL": redis_url}
+
+
+@pytest.fixture
+def any_db_env(db_url: str, redis_url: str) -> dict[str, str]:
+    """SQLite, and PostgreSQL too when POLSPEC_TEST_PG_URL is set."""
     redis.Redis.from_url(redis_url).flushall()
     return {"POLSPEC_DB_URL": db_url, "POLSPEC_REDIS_URL": redis_url}
 
@@ -66,7 +74,8 @@ def results_by_key(env: dict[str, str]) -> dict[str, tuple[Item, Result | None]]
 
 
 @pytest.mark.slow
-def test_twelve_prompts_end_to_end_with_exports(env, tmp_path, gemma3):
+def test_twelve_prompts_end_to_end_with_exports(any_db_env, tmp_path, gemma3):
+    env = any_db_env
     source = write_prompts(tmp_path / "prompts.jsonl")
     code, output = cli(env, "enqueue", "generate", "--input", str(source), "--target", "gemma3-270m",
                        "--draft", "smollm2-135m", "--max-tokens", "8", "--name", "e2e", "--json")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import signal
 import statistics
-from pathlib import Path
 
 import pytest
 import redis
@@ -18,7 +17,7 @@ from polspec.errors import PolspecError
 from polspec.jobs.sweep import expand_sweep
 from polspec.store.engine import make_engine, session_scope
 from polspec.store.schema import Cell, Item, Result
-from test_faults import start_worker, statuses, wait_for
+from helpers import start_worker, statuses, wait_for
 
 SMALL = """
 name = "small"

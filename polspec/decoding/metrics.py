@@ -25,7 +25,7 @@ class DecodeMetrics:
     boundary_misses: int = 0
     rejections: int = 0  # rounds that ended on a rejected candidate (for the acceptance estimate)
     plain_rounds: int = 0  # rounds the auto draft length spent as plain target steps (k = 0)
-    prefill_s: float = 0.0
+    prefill_s: float = 0.0  # the target's prompt; the draft's is fed on its first proposal (in draft_s)
     draft_s: float = 0.0
     translate_s: float = 0.0
     verify_s: float = 0.0

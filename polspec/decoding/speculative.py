@@ -56,14 +56,18 @@ class _DraftSide:
         self.prompt = prompt
         self.generated: list[int] = []  # draft ids of the committed text
         self.lag = b""  # committed bytes not yet given to the draft (an incomplete character)
-        prefill(draft.model, self.cache, prompt[:-1])
         self.sequence = list(prompt)  # what the cache should hold, plus tokens still to feed
-        self.fed = len(prompt) - 1  # how many of `sequence` are in the cache
+        # The prompt is fed on the first proposal, not here: when the auto draft length starts
+        # with plain target steps, a draft that never proposes costs nothing.
+        self.fed = 0  # how many of `sequence` are in the cache
 
     def propose(self, k: int, policy: DraftLength) -> list[int]:
         """Up to ``k`` greedy draft tokens; the last one is not fed to the cache."""
         if k == 0:
             return []
+        if self.fed < len(self.sequence) - 1:  # catch up in prefill-sized steps
+            prefill(self.model, self.cache, self.sequence[self.fed:-1])
+            self.fed = len(self.sequence) - 1
         inputs = mx.array([self.sequence[self.fed:]])
         proposal = []
         for step in range(k):
