@@ -10,7 +10,7 @@ from polspec.worker import HEARTBEAT_GRACE_S, HEARTBEAT_INTERVAL_S
 @click.command()
 @click.option("--burst", is_flag=True, help="Stop when the queues are empty instead of waiting for more work.")
 @click.option("--queue", "queues", multiple=True, metavar="MODEL|QUEUE",
-              help="Serve only this target model's queue (repeatable). Default: every polspec queue.")
+              help="Serve only this target model's queue (repeatable). Default: the queue of every known model.")
 @click.option("--log-level", default="WARNING", show_default=True,
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]), help="RQ's log output on stderr.")
 @click.option("--heartbeat-interval", default=HEARTBEAT_INTERVAL_S, hidden=True, type=click.IntRange(1),
@@ -38,10 +38,8 @@ def worker(burst: bool, queues: tuple[str, ...], log_level: str, heartbeat_inter
         if requeued.total:
             reasons = ", ".join(f"{count} {reason}" for reason, count in requeued.reasons.items())
             click.echo(f"re-enqueued {requeued.total} unfinished items ({reasons})", err=True)
-        if not names:
-            click.echo("no polspec queues yet: enqueue work with polspec enqueue generate", err=True)
-        else:
-            click.echo(f"serving {', '.join(names)}" + (" until empty" if burst else ""), err=True)
+        shown = names if len(names) <= 4 else [*names[:3], f"and {len(names) - 3} more"]
+        click.echo(f"serving {', '.join(shown)}" + (" until empty" if burst else ""), err=True)
 
     require_current_schema()
     with batch_bar() as redraw:

@@ -12,6 +12,7 @@ from rq import Queue
 
 from polspec.jobs.control import Requeued, recover
 from polspec.jobs.queue import connect, queue_name
+from polspec.models.registry import load_registry
 from polspec.store.engine import make_engine
 from polspec.store.items import DEFAULT_LEASE_S, Worker, database_id
 from polspec.store.migrate import require_current_schema
@@ -37,10 +38,14 @@ class WorkerOptions:
 
 
 def queue_names(connection, wanted: Sequence[str]) -> list[str]:
-    """Queue names for ``wanted`` (aliases or names), or every polspec queue Redis knows."""
+    """Queue names for ``wanted`` (aliases or names); by default the queue of every registered
+    model and every polspec queue Redis knows, so a waiting worker also serves models whose
+    first batch comes later."""
     if wanted:
         return [name if name.startswith(QUEUE_PREFIX) else queue_name(name) for name in wanted]
-    return sorted(queue.name for queue in Queue.all(connection=connection) if queue.name.startswith(QUEUE_PREFIX))
+    known = {queue_name(alias) for alias in load_registry().models}
+    known |= {queue.name for queue in Queue.all(connection=connection) if queue.name.startswith(QUEUE_PREFIX)}
+    return sorted(known)
 
 
 def run_worker(options: WorkerOptions, *, on_start: Callable[[Requeued, list[str]], None] | None = None,
