@@ -101,6 +101,8 @@ def test_twelve_prompts_end_to_end_with_exports(any_db_env, tmp_path, gemma3):
     progress = json.loads(output)
     assert progress["status"] == "done" and progress["done"] == 12 and progress["queued"] == 0
     assert progress["tokens_per_s"] > 0
+    code, output = cli(env, "status", "--watch", "--interval", "0.1")  # returns once nothing is left to run
+    assert code == 0 and "e2e" in output and "100%" in output
 
     csv_file, jsonl_file = tmp_path / "out.csv", tmp_path / "out.jsonl"
     assert cli(env, "results", "export", str(batch), "--format", "csv", "--output", str(csv_file))[0] == 0
