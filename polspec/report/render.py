@@ -17,12 +17,19 @@ def _fmt(value, pattern: str = "{:.2f}") -> str:
     return pattern.format(value)
 
 
+def _break_even(row: Row) -> str:
+    if row.break_even_acceptance is not None:
+        return f"{row.break_even_acceptance:.0%}"
+    return "never" if row.predicted_speedup is not None else "-"  # a prediction was made: no a pays
+
+
 def markdown(report: SweepReport) -> str:
     lines = [f"# Sweep {report.batch_id}: {report.name}", "",
              f"Target `{report.target}`, status {report.status}. Speedup is speculative tokens/s over the "
              "target-only baseline on the same prompt, mean over prompts with its 95% interval; "
              "predicted speedup and break-even acceptance come from this machine's probe "
-             "(`polspec models probe`).", ""]
+             "(`polspec models probe`); break-even \"never\" means no acceptance makes that k pay here. "
+             "Rows with k auto report what the policy did (it may decode without the draft).", ""]
     if report.missing_probe:
         lines += [f"No probe on this machine for {', '.join(report.missing_probe)}: run "
                   f"`polspec models probe {report.target} DRAFT` for the predictions.", ""]
@@ -37,8 +44,8 @@ def markdown(report: SweepReport) -> str:
             lines.append(
                 f"| {row.draft} | {row.strategy} | {row.k} | {row.prompts} | {_fmt(row.acceptance_per_candidate, '{:.0%}')} | "
                 f"{_fmt(row.acceptance_per_draft_token, '{:.0%}')} | {_fmt(row.tokens_per_round)} | "
-                f"{_fmt(row.tokens_per_s, '{:.1f}')} | {interval} | {_fmt(row.predicted_speedup)}x | "
-                f"{_fmt(row.break_even_acceptance, '{:.0%}')} | {_fmt(row.joules_per_token, '{:.3f}')} | "
+                f"{_fmt(row.tokens_per_s, '{:.1f}')} | {interval} | {_fmt(row.predicted_speedup, '{:.2f}x')} | "
+                f"{_break_even(row)} | {_fmt(row.joules_per_token, '{:.3f}')} | "
                 f"{_fmt(row.translation_overhead, '{:.1%}')} |")
         lines.append("")
     return "\n".join(lines)
