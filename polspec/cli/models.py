@@ -150,7 +150,7 @@ def show(alias: str, as_json: bool) -> None:
 @models.command()
 @click.argument("target")
 @click.argument("draft")
-@click.option("--repeats", default=5, show_default=True, type=click.IntRange(1), help="Timed forwards per size.")
+@click.option("--repeats", default=9, show_default=True, type=click.IntRange(1), help="Timed forwards per size.")
 @click.option("--json", "as_json", is_flag=True, help="Print the probe as one JSON object.")
 def probe(target: str, draft: str, repeats: int, as_json: bool) -> None:
     """Measure what speculation costs for TARGET with DRAFT on this machine, and store it.

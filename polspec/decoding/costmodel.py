@@ -148,11 +148,11 @@ def save_probe(probe: Probe) -> None:
     temporary.replace(path)
 
 
-def probe(target, draft, repeats: int = 5, context: int = 64) -> Probe:
+def probe(target, draft, repeats: int = 9, context: int = 64) -> Probe:
     """Measure c, rho(1..9) and tau for two loaded models on this machine (tens of seconds).
 
     Forward times are medians over ``repeats`` with ``context`` tokens already cached, the
-    way decoding runs; tau is the median time of an ``aligned`` translation of a k=4 draft
+    way decoding runs, every size timed in turn within a repeat; tau is the median time of an ``aligned`` translation of a k=4 draft
     chunk of Polish text, over the target step.
     """
     from polspec.backend import setup
@@ -160,9 +160,9 @@ def probe(target, draft, repeats: int = 5, context: int = 64) -> Probe:
 
     if repeats < 1:
         raise PolspecError(f"repeats must be at least 1, got {repeats}")
-    target_times = [_forward_time(target, m, repeats, context) for m in range(1, RHO_SIZES + 1)]
+    target_times = _forward_times(target, range(1, RHO_SIZES + 1), repeats, context)
     step = target_times[0]
-    draft_step = _forward_time(draft, 1, repeats, context)
+    draft_step = _forward_times(draft, [1], repeats, context)[0]
 
     text = ("Kraków jest jednym z najstarszych miast w Polsce. Przez wieki był stolicą kraju, a jego "
             "Stare Miasto wpisano na listę światowego dziedzictwa UNESCO.")
@@ -183,23 +183,32 @@ def probe(target, draft, repeats: int = 5, context: int = 64) -> Probe:
                           "dtype": chosen.dtype, "mlx": chosen.mlx_version})
 
 
-def _forward_time(loaded, m: int, repeats: int, context: int) -> float:
+def _forward_times(loaded, sizes, repeats: int, context: int) -> list[float]:
+    """Median time of a forward over m tokens for each m in ``sizes``, ``context`` tokens cached.
+
+    The sizes are timed in turn within each repeat, so that a change in the machine's load
+    during the probe shifts every size alike and the ratios rho(m) stay sound.
+    """
     import mlx.core as mx
 
     from polspec.decoding.kv import new_cache, prefill, trim
 
-    cache = new_cache(loaded.model, loaded.entry.alias, context + m + 1)
-    prefill(loaded.model, cache, list(range(1, context + 1)))
-    tokens = mx.array([list(range(2, m + 2))])
-    mx.eval(loaded.model(tokens, cache=cache))  # warm-up: first use of this shape
-    trim(cache, m)
-    times = []
-    for _ in range(repeats):
-        clock = time.perf_counter()
-        mx.eval(loaded.model(tokens, cache=cache))
-        times.append(time.perf_counter() - clock)
-        trim(cache, m)
-    return statistics.median(times)
+    sizes = list(sizes)
+    caches = []
+    for m in sizes:
+        cache = new_cache(loaded.model, loaded.entry.alias, context + m + 1)
+        prefill(loaded.model, cache, list(range(1, context + 1)))
+        caches.append(cache)
+    inputs = [mx.array([list(range(2, m + 2))]) for m in sizes]
+    times: list[list[float]] = [[] for _ in sizes]
+    for round_ in range(repeats + 1):  # the first round warms each shape up and is not kept
+        for index, m in enumerate(sizes):
+            clock = time.perf_counter()
+            mx.eval(loaded.model(inputs[index], cache=caches[index]))
+            if round_:
+                times[index].append(time.perf_counter() - clock)
+            trim(caches[index], m)
+    return [statistics.median(values) for values in times]
 
 
 @dataclass

@@ -79,7 +79,7 @@ def recover(engine: Engine, connection: redis.Redis, batch_id: int | None = None
         elif job.get_status(refresh=False) == JobStatus.STARTED:
             continue  # claimed by a worker any moment now, or abandoned: RQ retries or fails it
         else:
-            reason = f"job {job.get_status(refresh=False)}"
+            reason = f"job {JobStatus(job.get_status(refresh=False)).value}"
         report.reasons[reason] += 1
         to_enqueue[name].append((item.id, item.params["max_tokens"]))
     if abandoned:
