@@ -11,6 +11,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only: no display on a worker or in CI
 
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from polspec.report.summary import SweepReport  # noqa: E402
 
@@ -39,6 +40,7 @@ def _speedup_by_k(report: SweepReport, directory: Path) -> Path:
                 axis.axhline(row.speedup, linestyle=":", linewidth=1, color="grey")
         axis.axhline(1.0, color="black", linewidth=0.8)
         axis.set(title=dataset, xlabel="k (draft tokens per round)", ylabel="speedup over target-only")
+        axis.xaxis.set_major_locator(MaxNLocator(integer=True))
         axis.legend(fontsize=7)
     figure.suptitle(f"{report.target}: speedup by k (dotted: auto)")
     figure.tight_layout()
