@@ -168,3 +168,17 @@ def home_with_models(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         (home / cached).symlink_to(real / cached)
     monkeypatch.setenv("POLSPEC_HOME", str(home))
     return home
+
+
+@pytest.fixture
+def sqlite_env(tmp_path: Path, redis_url: str) -> dict[str, str]:
+    """Settings for a fresh SQLite database and the session's redis-server, flushed."""
+    redis.Redis.from_url(redis_url).flushall()
+    return {"POLSPEC_DB_URL": sqlite_url(tmp_path), "POLSPEC_REDIS_URL": redis_url}
+
+
+@pytest.fixture
+def any_db_env(db_url: str, redis_url: str) -> dict[str, str]:
+    """Like ``sqlite_env``, on SQLite and on PostgreSQL too when POLSPEC_TEST_PG_URL is set."""
+    redis.Redis.from_url(redis_url).flushall()
+    return {"POLSPEC_DB_URL": db_url, "POLSPEC_REDIS_URL": redis_url}

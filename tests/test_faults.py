@@ -57,17 +57,9 @@ def assert_each_item_done_once(env: dict[str, str], count: int) -> list[Item]:
 
 
 @pytest.fixture
-def env(tmp_path, redis_url: str) -> dict[str, str]:
+def env(sqlite_env: dict[str, str]) -> dict[str, str]:
     """SQLite: the faults here are the queue's; the database's own are covered on both backends."""
-    redis.Redis.from_url(redis_url).flushall()
-    return {"POLSPEC_DB_URL": sqlite_url(tmp_path), "POLSPEC_REDIS_URL": redis_url}
-
-
-@pytest.fixture
-def any_db_env(db_url: str, redis_url: str) -> dict[str, str]:
-    """SQLite, and PostgreSQL too when POLSPEC_TEST_PG_URL is set."""
-    redis.Redis.from_url(redis_url).flushall()
-    return {"POLSPEC_DB_URL": db_url, "POLSPEC_REDIS_URL": redis_url}
+    return sqlite_env
 
 
 def test_worker_killed_mid_batch_then_restarted_does_every_item_once(env):

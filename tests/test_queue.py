@@ -25,7 +25,6 @@ from polspec.store.engine import make_engine, session_scope
 from polspec.store.migrate import upgrade
 from polspec.store.schema import Item, Result
 from polspec.worker.run import WorkerOptions, run_worker
-from conftest import sqlite_url
 
 PROMPTS = [
     "Jaka jest stolica Czech?", "Ile nóg ma pająk?", "Kto napisał „Pana Tadeusza”?", "Gdzie leży Zakopane?",
@@ -35,16 +34,8 @@ PROMPTS = [
 
 
 @pytest.fixture
-def env(tmp_path, redis_url: str) -> dict[str, str]:
-    redis.Redis.from_url(redis_url).flushall()
-    return {"POLSPEC_DB_URL": sqlite_url(tmp_path), "POLSPEC_REDIS_URL": redis_url}
-
-
-@pytest.fixture
-def any_db_env(db_url: str, redis_url: str) -> dict[str, str]:
-    """SQLite, and PostgreSQL too when POLSPEC_TEST_PG_URL is set."""
-    redis.Redis.from_url(redis_url).flushall()
-    return {"POLSPEC_DB_URL": db_url, "POLSPEC_REDIS_URL": redis_url}
+def env(sqlite_env: dict[str, str]) -> dict[str, str]:
+    return sqlite_env
 
 
 def cli(env: dict[str, str], *args: str) -> tuple[int, str]:
