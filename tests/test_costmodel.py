@@ -40,6 +40,10 @@ def test_bandwidth_bound_cost_and_break_even():
     assert measured.rho_at(11) == pytest.approx(2.0)  # linear beyond the measured sizes
     # Two target candidates per draft token verify more positions for the same draft work.
     assert round_cost(measured, 2, ratio=2.0) == pytest.approx(0.2 + 1.4 + 0.05)
+    # The draft's per-round overhead d is paid once per round, whatever k.
+    with_overhead = Probe("t", "d", c=0.1, rho=measured.rho, tau=0.05, draft_overhead=0.1)
+    assert round_cost(with_overhead, 1) == pytest.approx(0.1 + 0.1 + 1.1 + 0.05)
+    assert round_cost(with_overhead, 0) == 1.0
 
 
 def test_break_even_above_one_means_never():
@@ -75,6 +79,7 @@ def test_probe_measures_real_models_and_is_stored(gemma3, smollm2, home_with_mod
     measured = probe(gemma3, smollm2, repeats=2, context=16)
     assert measured.rho[0] == 1.0 and len(measured.rho) == 9 and measured.rho[8] > 1.0
     assert 0 < measured.c < 5 and measured.tau >= 0 and measured.target_step_s > 0
+    assert 0 <= measured.draft_overhead < 5 * measured.c  # a round's extra draft work: a catch-up token, a sync
     save_probe(measured)
     assert load_probe("gemma3-270m", "smollm2-135m") == measured
 

@@ -9,11 +9,12 @@ translation ``tau`` target steps. With per-candidate acceptance ``a`` a round co
 
 target tokens, so the speedup over target-only decoding is
 
-    S(a, k) = E[N] / (k c + rho(k'+1) + tau)
+    S(a, k) = E[N] / (k c + d + rho(k'+1) + tau)
 
-and speculation pays when ``S > 1``. ``k'`` follows from ``k`` through the pair's ratio of
+and speculation pays when ``S > 1``. ``d`` is the draft's work per round beyond its k steps:
+its first forward also feeds the text committed last round, and every proposal is a host sync. ``k'`` follows from ``k`` through the pair's ratio of
 target candidates to draft tokens (1 for a same-tokenizer pair). :func:`probe` measures
-``c``, ``rho(1..9)`` and ``tau`` on the machine at hand; probes are stored per machine and model
+``c``, ``d``, ``rho(1..9)`` and ``tau`` on the machine at hand; probes are stored per machine and model
 pair under ``$POLSPEC_HOME/probes``. The ``auto`` draft length (:mod:`polspec.decoding.policy`)
 picks the k with the highest predicted S each round, and plain decoding when none exceeds 1.
 """
@@ -42,6 +43,7 @@ class Probe:
     c: float
     rho: tuple[float, ...]  # rho[m - 1] for m = 1..RHO_SIZES; rho[0] == 1
     tau: float
+    draft_overhead: float = 0.0  # d: draft work per round beyond k c, in target steps
     target_step_s: float = 0.0
     draft_step_s: float = 0.0
     machine: dict[str, str] = field(default_factory=dict)
@@ -82,7 +84,7 @@ def round_cost(probe: Probe, k: int, ratio: float = 1.0) -> float:
     """Cost of one round with ``k`` draft tokens, in target steps (k = 0: plain decoding, 1)."""
     if k == 0:
         return 1.0
-    return k * probe.c + probe.rho_at(candidates_for(k, ratio) + 1) + probe.tau
+    return k * probe.c + probe.draft_overhead + probe.rho_at(candidates_for(k, ratio) + 1) + probe.tau
 
 
 def predicted_speedup(probe: Probe, a: float, k: int, ratio: float = 1.0) -> float:
@@ -178,9 +180,34 @@ def probe(target, draft, repeats: int = 9, context: int = 64) -> Probe:
     chosen = setup()
     return Probe(target.entry.alias, draft.entry.alias, c=draft_step / step,
                  rho=tuple(t / step for t in target_times), tau=statistics.median(times) / step,
+                 draft_overhead=max(0.0, _draft_round_time(draft, draft_ids, repeats) - draft_step) / step,
                  target_step_s=step, draft_step_s=draft_step,
                  machine={"key": machine_key(), "platform": chosen.platform, "device": chosen.device,
                           "dtype": chosen.dtype, "mlx": chosen.mlx_version})
+
+
+def _draft_round_time(draft, text_ids: list[int], repeats: int) -> float:
+    """Median time of a real one-token proposal round of the decoder's draft side.
+
+    Each round first re-syncs the draft with two more tokens of committed text, as after a
+    round that accepted one candidate and added the target's own token, then proposes one
+    token; the difference from a bare draft step is the per-round overhead ``d``.
+    """
+    from polspec.decoding.params import DecodingParams
+    from polspec.decoding.policy import DraftLength
+    from polspec.decoding.speculative import _DraftSide
+
+    prompt, rest = text_ids[:8], text_ids[8:]
+    side = _DraftSide(draft, prompt, len(text_ids) + 4, None)
+    policy = DraftLength(DecodingParams(k=1))
+    side.propose(1, policy)  # feeds the prompt: not a round
+    times = []
+    for round_ in range(min(repeats, (len(rest) - 1) // 2)):
+        side.resync(rest[: 2 * round_ + 2], b"")
+        clock = time.perf_counter()
+        side.propose(1, policy)
+        times.append(time.perf_counter() - clock)
+    return statistics.median(times)
 
 
 def _forward_times(loaded, sizes, repeats: int, context: int) -> list[float]:
