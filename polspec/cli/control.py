@@ -2,17 +2,27 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
 import click
 
+if TYPE_CHECKING:
+    from redis import Redis
+    from sqlalchemy import Engine
 
-def _connections():
+
+@contextmanager
+def _connections() -> Iterator[tuple[Engine, Redis]]:
+    """The upgraded results database and a checked Redis connection (Redis first: nothing is
+    touched when it is unreachable)."""
     from polspec.jobs.queue import connect
-    from polspec.store.engine import make_engine
-    from polspec.store.migrate import ensure_schema
+    from polspec.store.migrate import upgraded_database
 
     connection = connect()
-    ensure_schema()
-    return make_engine(), connection
+    with upgraded_database() as engine:
+        yield engine, connection
 
 
 @click.command()
@@ -23,9 +33,8 @@ def recover(batch_id: int | None) -> None:
     """
     from polspec.jobs.control import recover as recover_items
 
-    engine, connection = _connections()
-    report = recover_items(engine, connection, batch_id)
-    engine.dispose()
+    with _connections() as (engine, connection):
+        report = recover_items(engine, connection, batch_id)
     if not report.total:
         click.echo("nothing to recover: every unfinished item has a job")
         return
@@ -42,9 +51,8 @@ def cancel(batch_id: int) -> None:
     """
     from polspec.jobs.control import cancel as cancel_batch
 
-    engine, connection = _connections()
-    count = cancel_batch(engine, connection, batch_id)
-    engine.dispose()
+    with _connections() as (engine, connection):
+        count = cancel_batch(engine, connection, batch_id)
     click.echo(f"batch {batch_id} cancelled ({count} queued items dropped)")
 
 
@@ -55,7 +63,6 @@ def retry(batch_id: int, failed: bool) -> None:
     """Queue a batch's failed items again (polspec results list --status failed shows why they failed)."""
     from polspec.jobs.control import retry_failed
 
-    engine, connection = _connections()
-    count = retry_failed(engine, connection, batch_id)
-    engine.dispose()
+    with _connections() as (engine, connection):
+        count = retry_failed(engine, connection, batch_id)
     click.echo(f"batch {batch_id}: {count} failed items queued again" if count else f"batch {batch_id} has no failed items")

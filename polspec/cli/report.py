@@ -24,13 +24,10 @@ def report(sweep_id: int, fmt: str, output: Path | None, plots: Path | None) -> 
     """
     from polspec.report.render import csv_text, json_text, markdown
     from polspec.report.summary import sweep_report
-    from polspec.store.engine import make_engine
-    from polspec.store.migrate import ensure_schema
+    from polspec.store.migrate import upgraded_database
 
-    ensure_schema()
-    engine = make_engine()
-    summary = sweep_report(engine, sweep_id)
-    engine.dispose()
+    with upgraded_database() as engine:
+        summary = sweep_report(engine, sweep_id)
     text = {"md": markdown, "csv": csv_text, "json": json_text}[fmt](summary)
     if output is None:
         click.echo(text)

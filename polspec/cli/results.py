@@ -22,14 +22,6 @@ def results() -> None:
     """Look at the stored results: every item of every batch, with its metrics (POLSPEC_DB_URL)."""
 
 
-def _engine(readonly: bool = False):
-    from polspec.store.engine import make_engine
-    from polspec.store.migrate import ensure_schema
-
-    ensure_schema()
-    return make_engine(readonly=readonly)
-
-
 @results.command("list")
 @click.option("--batch", "batch_id", type=int, help="Only this batch.")
 @click.option("--status", type=click.Choice([status.value for status in Status]), help="Only items in this state.")
@@ -43,11 +35,11 @@ def list_command(batch_id: int | None, status: str | None, limit: int, as_json: 
       polspec results list --batch 3
       polspec results list --status failed
     """
+    from polspec.store.migrate import upgraded_database
     from polspec.store.queries import item_rows
 
-    engine = _engine()
-    rows = list(item_rows(engine, batch_id, status, limit or None))
-    engine.dispose()
+    with upgraded_database() as engine:
+        rows = list(item_rows(engine, batch_id, status, limit or None))
     if as_json:
         for row in rows:
             click.echo(json.dumps(row, ensure_ascii=False))
@@ -72,11 +64,11 @@ def list_command(batch_id: int | None, status: str | None, limit: int, as_json: 
 @click.option("--json", "as_json", is_flag=True, help="Everything stored, as one JSON object.")
 def show_command(batch_id: int, item_id: str, as_json: bool) -> None:
     """One item of a batch, by the id it was enqueued with: prompt, text, metrics, provenance."""
+    from polspec.store.migrate import upgraded_database
     from polspec.store.queries import item_detail
 
-    engine = _engine()
-    detail = item_detail(engine, batch_id, item_id)
-    engine.dispose()
+    with upgraded_database() as engine:
+        detail = item_detail(engine, batch_id, item_id)
     if as_json:
         click.echo(json.dumps(detail, ensure_ascii=False))
         return
@@ -112,14 +104,15 @@ def export_command(batch_id: int, fmt: str, output: Path | None) -> None:
       polspec results export 3 --format csv --output wyniki.csv
       polspec results export 3 > wyniki.jsonl
     """
+    from polspec.store.migrate import upgraded_database
     from polspec.store.queries import EXPORT_COLUMNS, batch_progress, item_rows
 
-    engine = _engine()
-    batch_progress(engine, batch_id)  # an unknown batch is an error, not an empty file
-    rows = item_rows(engine, batch_id)
-    if output is None:
-        _write(sys.stdout, rows, fmt, EXPORT_COLUMNS, bom=False)
-    else:
+    with upgraded_database() as engine:
+        batch_progress(engine, batch_id)  # an unknown batch is an error, not an empty file
+        rows = item_rows(engine, batch_id)
+        if output is None:
+            _write(sys.stdout, rows, fmt, EXPORT_COLUMNS, bom=False)
+            return
         directory = output.resolve().parent
         if not directory.is_dir():
             raise PolspecError(f"{output}: directory {directory} does not exist")
@@ -132,8 +125,7 @@ def export_command(batch_id: int, fmt: str, output: Path | None) -> None:
         except BaseException:
             os.unlink(handle.name)
             raise
-        click.echo(f"wrote {output}", err=True)
-    engine.dispose()
+    click.echo(f"wrote {output}", err=True)
 
 
 def _write(handle, rows, fmt: str, columns: tuple[str, ...], bom: bool) -> None:
@@ -160,11 +152,11 @@ def sql_command(query: str, as_json: bool) -> None:
       polspec results sql "SELECT status, count(*) FROM items GROUP BY status"
       polspec results sql "SELECT avg(acceptance_rate) FROM results" --json
     """
+    from polspec.store.migrate import upgraded_database
     from polspec.store.queries import run_sql
 
-    engine = _engine(readonly=True)
-    columns, rows = run_sql(engine, query)
-    engine.dispose()
+    with upgraded_database(readonly=True) as engine:
+        columns, rows = run_sql(engine, query)
     if as_json:
         for row in rows:
             click.echo(json.dumps(dict(zip(columns, row, strict=True)), ensure_ascii=False, default=str))

@@ -28,13 +28,10 @@ def status(batch_id: int | None, watch: bool, interval: float, as_json: bool) ->
       polspec status 3 --watch
       polspec status --json | jq .done
     """
-    from polspec.store.engine import make_engine
-    from polspec.store.migrate import ensure_schema
+    from polspec.store.migrate import upgraded_database
     from polspec.store.queries import batch_progress
 
-    ensure_schema()
-    engine = make_engine()
-    try:
+    with upgraded_database() as engine:
         if as_json:
             for batch in batch_progress(engine, batch_id):
                 click.echo(json.dumps(batch.as_dict(), ensure_ascii=False))
@@ -49,8 +46,6 @@ def status(batch_id: int | None, watch: bool, interval: float, as_json: bool) ->
                 time.sleep(interval)
                 batches = batch_progress(engine, batch_id)
                 live.update(_table(batches), refresh=True)
-    finally:
-        engine.dispose()
 
 
 def _table(batches: list[BatchProgress]) -> Table | str:

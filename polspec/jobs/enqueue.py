@@ -20,10 +20,10 @@ from polspec.jobs.control import recover
 from polspec.jobs.spec import GenerateSpec, ItemInput, check_models
 from polspec.jobs.sweep import SweepPlan
 from polspec.settings import redis_url
-from polspec.store.engine import make_engine, session_scope
-from polspec.store.items import database_id
-from polspec.store.migrate import ensure_schema
-from polspec.store.schema import Batch, Cell, Item
+from polspec.store.engine import session_scope
+from polspec.store.items import UNFINISHED, database_id
+from polspec.store.migrate import upgraded_database
+from polspec.store.schema import Batch, Cell, Item, Status
 
 
 @dataclass(frozen=True)
@@ -47,19 +47,11 @@ def enqueue_generate(spec: GenerateSpec, items: list[ItemInput], name: str | Non
     check_models(spec, items)
     queue_url = queue_url or redis_url()
     connection = connect(queue_url)
-    ensure_schema(db_url)
-    engine = make_engine(db_url)
-    try:
+    with upgraded_database(db_url) as engine:
         batch_id, created, new_items, existing = _write_batch(engine, spec, items, name)
-        try:
-            enqueue_items(connection, queue_name(spec.target), database_id(engine), new_items)
-        except redis.RedisError as error:
-            _remove(engine, batch_id, created, [item_id for item_id, _ in new_items])
-            raise PolspecError(f"Redis at {display_redis_url(queue_url)} failed while enqueueing ({error}); "
-                               "nothing was added to the database") from None
+        _enqueue_or_undo(engine, connection, queue_url, queue_name(spec.target), new_items,
+                         batch_id if created else None)
         return Enqueued(batch_id, name, queue_name(spec.target), len(new_items), existing)
-    finally:
-        engine.dispose()
 
 
 def _write_batch(engine: Engine, spec: GenerateSpec, items: list[ItemInput],
@@ -80,8 +72,8 @@ def _write_batch(engine: Engine, spec: GenerateSpec, items: list[ItemInput],
                 for item in items if item.key not in known]
         session.add_all(rows)
         session.flush()
-        if rows and batch.status not in ("queued", "running"):
-            batch.status = "queued"
+        if rows and batch.status not in UNFINISHED:
+            batch.status = Status.QUEUED.value
         return batch.id, created, [(row.id, row.params["max_tokens"]) for row in rows], len(items) - len(rows)
 
 
@@ -92,12 +84,20 @@ def _check_same_request(batch: Batch, wanted: dict) -> None:
                                f"{batch.spec.get(key)!r}, not {wanted[key]!r}; choose another --name")
 
 
-def _remove(engine: Engine, batch_id: int, created: bool, item_ids: list[int]) -> None:
-    with session_scope(engine) as session:
-        if created:
-            session.execute(delete(Batch).where(Batch.id == batch_id))
-        else:
-            session.execute(delete(Item).where(Item.id.in_(item_ids)))
+def _enqueue_or_undo(engine: Engine, connection: redis.Redis, queue_url: str, name: str,
+                     items: list[tuple[int, int]], created_batch: int | None) -> None:
+    """Enqueue the jobs of rows just written; if Redis fails, delete those rows again (the whole
+    batch when it was created here) so that nothing is left half-created."""
+    try:
+        enqueue_items(connection, name, database_id(engine), items)
+    except redis.RedisError as error:
+        with session_scope(engine) as session:
+            if created_batch is not None:
+                session.execute(delete(Batch).where(Batch.id == created_batch))
+            else:
+                session.execute(delete(Item).where(Item.id.in_([item_id for item_id, _ in items])))
+        raise PolspecError(f"Redis at {display_redis_url(queue_url)} failed while enqueueing ({error}); "
+                           "nothing was added to the database") from None
 
 
 @dataclass(frozen=True)
@@ -122,45 +122,35 @@ def enqueue_sweep(plan: SweepPlan, *, db_url: str | None = None, queue_url: str 
     """
     queue_url = queue_url or redis_url()
     connection = connect(queue_url)
-    ensure_schema(db_url)
-    engine = make_engine(db_url)
     name = queue_name(plan.spec.target)
-    try:
+    with upgraded_database(db_url) as engine:
         with session_scope(engine) as session:
             batch = session.scalar(select(Batch).where(Batch.name == plan.name))
             if batch is not None:
                 if batch.kind != "sweep" or batch.spec.get("config") != plan.config:
                     raise PolspecError(f"a batch named {plan.name!r} (id {batch.id}) exists with another "
                                        "configuration; give the sweep another name")
-                session.execute(update(Item).where(Item.batch_id == batch.id, Item.status == "failed")
-                                .values(status="queued", finished_at=None))
-                batch.status = "running"
+                session.execute(update(Item).where(Item.batch_id == batch.id, Item.status == Status.FAILED.value)
+                                .values(status=Status.QUEUED.value, finished_at=None))
+                batch.status = Status.RUNNING.value
                 batch_id = batch.id
             else:
-                batch_id = _write_sweep(session, plan)
+                batch_id, new_items = _write_sweep(session, plan)
         if batch is not None:
             enqueued = recover(engine, connection, batch_id).total
         else:
-            with session_scope(engine) as session:
-                rows = session.execute(select(Item.id, Item.params).where(Item.batch_id == batch_id)
-                                       .order_by(Item.id)).all()
-            try:
-                enqueue_items(connection, name, database_id(engine), [(row.id, row.params["max_tokens"]) for row in rows])
-            except redis.RedisError as error:
-                _remove(engine, batch_id, True, [])
-                raise PolspecError(f"Redis at {display_redis_url(queue_url)} failed while enqueueing ({error}); "
-                                   "nothing was added to the database") from None
-            enqueued = len(rows)
+            _enqueue_or_undo(engine, connection, queue_url, name, new_items, batch_id)
+            enqueued = len(new_items)
         with session_scope(engine) as session:
             done = session.scalar(select(func.count()).select_from(Item)
-                                  .where(Item.batch_id == batch_id, Item.status == "done"))
+                                  .where(Item.batch_id == batch_id, Item.status == Status.DONE.value))
         return SweepEnqueued(batch_id, plan.name, name, len(plan.cells), len(plan.items), enqueued, done,
                              batch is not None)
-    finally:
-        engine.dispose()
 
 
-def _write_sweep(session: Session, plan: SweepPlan) -> int:
+def _write_sweep(session: Session, plan: SweepPlan) -> tuple[int, list[tuple[int, int]]]:
+    """Write the sweep's batch, cells and items; return the batch id and its (item id,
+    max_tokens) in plan order, which is the enqueue order."""
     batch = Batch(kind="sweep", name=plan.name, spec=plan.spec.as_dict() | {"kind": "sweep", "config": plan.config})
     session.add(batch)
     session.flush()
@@ -168,7 +158,8 @@ def _write_sweep(session: Session, plan: SweepPlan) -> int:
              for cell in plan.cells}
     session.add_all(cells.values())
     session.flush()
-    session.add_all(Item(batch_id=batch.id, cell_id=cells[item.cell].id, item_key=item.key, prompt=item.item.prompt,
-                         messages=item.item.messages, params=item.item.overrides) for item in plan.items)
+    rows = [Item(batch_id=batch.id, cell_id=cells[item.cell].id, item_key=item.key, prompt=item.item.prompt,
+                 messages=item.item.messages, params=item.item.overrides) for item in plan.items]
+    session.add_all(rows)
     session.flush()
-    return batch.id
+    return batch.id, [(row.id, row.params["max_tokens"]) for row in rows]

@@ -1,6 +1,6 @@
 """Redis and RQ as polspec uses them: the connection, queue names, job ids, enqueueing.
 
-Redis only delivers work; the database is the record (see :mod:`polspec.jobs.recovery`).
+Redis only delivers work; the database is the record (see :mod:`polspec.jobs.control`).
 Choices, with the reason:
 
 - one queue per target model (``polspec-<alias>``), so a worker keeps one target loaded;

@@ -92,8 +92,7 @@ def claim_item(engine: Engine, item_id: int, me: Worker, lease_s: float = DEFAUL
             return f"item {item_id} is cancelled"
         if item.status in (Status.DONE.value, Status.FAILED.value):
             return f"item {item_id} is already {item.status}"
-        mine = item.worker_host == me.host and item.worker_pid == me.pid
-        if item.status == Status.RUNNING.value and not mine and not owner_gone(item, me, now, lease_s):
+        if item.status == Status.RUNNING.value and not _held_by(item, me) and not owner_gone(item, me, now, lease_s):
             return f"item {item_id} is running on {item.worker_host} (pid {item.worker_pid})"
         item.status = Status.RUNNING.value
         item.attempts += 1
@@ -135,7 +134,7 @@ def finish_item(engine: Engine, item_id: int, me: Worker, result: Result) -> boo
     """
     with session_scope(engine) as session:
         item = _locked_item(session, item_id)
-        if item is None or item.status != Status.RUNNING.value or (item.worker_host, item.worker_pid) != (me.host, me.pid):
+        if item is None or item.status != Status.RUNNING.value or not _held_by(item, me):
             return False
         if session.scalar(select(Result.id).where(Result.item_id == item_id)) is not None:
             return False
@@ -153,13 +152,17 @@ def fail_item(engine: Engine, item_id: int, me: Worker, reason: str, *, final: b
     """Record a failure. ``final`` marks the item ``status``; otherwise it goes back to queued for a retry."""
     with session_scope(engine) as session:
         item = _locked_item(session, item_id)
-        if item is None or item.status != Status.RUNNING.value or (item.worker_host, item.worker_pid) != (me.host, me.pid):
+        if item is None or item.status != Status.RUNNING.value or not _held_by(item, me):
             return
         item.last_error = reason
         item.status = status.value if final else Status.QUEUED.value
         if final:
             item.finished_at = utcnow()
             _settle_batch(session, item.batch)
+
+
+def _held_by(item: Item, me: Worker) -> bool:
+    return (item.worker_host, item.worker_pid) == (me.host, me.pid)
 
 
 def _locked_item(session: Session, item_id: int) -> Item | None:

@@ -23,7 +23,7 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import URL, Connection, text
+from sqlalchemy import URL, Connection, Engine, text
 
 from polspec.errors import PolspecError
 from polspec.store.engine import display_url, make_engine, sqlite_file
@@ -75,6 +75,21 @@ def ensure_schema(url: str | None = None) -> None:
     """Upgrade the database to the head revision if it is behind (commands call this first)."""
     if current_revision(url) != head_revision():
         upgrade(url)
+
+
+@contextmanager
+def upgraded_database(url: str | None = None, *, readonly: bool = False) -> Iterator[Engine]:
+    """An engine on the database at ``url``, upgraded first if it is behind; disposed afterwards.
+
+    What every command that reads or writes results opens (the worker refuses an old schema
+    with :func:`require_current_schema` instead).
+    """
+    ensure_schema(url)
+    engine = make_engine(url, readonly=readonly)
+    try:
+        yield engine
+    finally:
+        engine.dispose()
 
 
 def require_current_schema(url: str | None = None) -> None:
