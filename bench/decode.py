@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from collections.abc import Iterator
 from importlib import resources
 
 from polspec import backend
@@ -40,13 +41,15 @@ def fidelity_table(ks: list[int]) -> str:
     """Oracle fidelity per pair, k and strategy: candidates accepted / tokens per round."""
     texts = polish_texts()
     tokenizers = {alias: load_tokenizer(alias) for pair in FIDELITY_PAIRS for alias in pair}
-    strategies = ["naive", "context", "aligned"]
+    strategies = ["naive", "context", "aligned/hold", "aligned"]
     lines = ["| target | draft | k | " + " | ".join(strategies) + " |", "|---|---|---|" + "---|" * len(strategies)]
     for target, draft in FIDELITY_PAIRS:
         for k in ks:
             cells = []
-            for strategy in strategies:
-                total = sum((oracle_fidelity(tokenizers[target], tokenizers[draft], text, k, strategy) for text in texts),
+            for name in strategies:
+                strategy, _, partial_word = name.partition("/")
+                total = sum((oracle_fidelity(tokenizers[target], tokenizers[draft], text, k, strategy,
+                                             partial_word=partial_word or "verify") for text in texts),
                             Fidelity(0, 0, 0, 0))
                 cells.append(f"{total.acceptance:.1%} / {total.tokens_per_round:.2f}")
             lines.append(f"| {target} | {draft} | {k} | " + " | ".join(cells) + " |")
@@ -58,18 +61,21 @@ def prompts(count: int) -> list[str]:
     return [" ".join(text.split()[:8]) for text in polish_texts()[:count]]
 
 
-def speed_table(target_alias: str, drafts: list[str], strategies: list[str], ks: list, count: int, max_tokens: int) -> str:
+def speed_table(target_alias: str, drafts: list[str], strategies: list[str], ks: list, count: int, max_tokens: int) -> Iterator[str]:
+    """The speed table's lines, each row as soon as its configuration has run."""
     target = load_model(target_alias)
-    lines = ["| draft | strategy | k | speed vs target-only (median, min-max) | accepted / candidate | accepted / draft token | tokens / round | translate / verify |",
-             "|---|---|---|---|---|---|---|---|"]
+    yield "| draft | strategy | k | speed vs target-only (median, min-max) | accepted / candidate | accepted / draft token | tokens / round | translate / verify |"
+    yield "|---|---|---|---|---|---|---|---|"
     for draft_alias in drafts:
         draft = load_model(draft_alias)
-        for strategy in strategies:
+        for name in strategies:
+            strategy, _, partial_word = name.partition("/")
+            params = {"strategy": strategy, "partial_word": partial_word or "verify"}
             for k in ks:
                 ratios, metrics = [], []
                 for prompt in prompts(count):
                     base = generate(target, None, prompt, DecodingParams(max_tokens=max_tokens), chat=False)
-                    spec = generate(target, draft, prompt, DecodingParams(max_tokens=max_tokens, k=k, strategy=strategy), chat=False)
+                    spec = generate(target, draft, prompt, DecodingParams(max_tokens=max_tokens, k=k, **params), chat=False)
                     assert spec.token_ids == base.token_ids, f"not lossless on {prompt!r}"
                     ratios.append(spec.metrics.decode_tokens_per_s / base.metrics.decode_tokens_per_s)
                     metrics.append(spec.metrics)
@@ -77,33 +83,36 @@ def speed_table(target_alias: str, drafts: list[str], strategies: list[str], ks:
                 per_draft = sum(m.draft_tokens_accepted for m in metrics) / max(1, sum(m.draft_tokens for m in metrics))
                 per_round = sum(m.generated_tokens for m in metrics) / sum(m.rounds for m in metrics)
                 overhead = sum(m.translate_s for m in metrics) / sum(m.verify_s for m in metrics)
-                lines.append(
-                    f"| {draft_alias} | {strategy} | {k} | {statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}) "
+                yield (
+                    f"| {draft_alias} | {name} | {k} | {statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}) "
                     f"| {per_candidate:.1%} | {per_draft:.1%} | {per_round:.2f} | {overhead:.1%} |"
                 )
-    return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default="gemma3-270m")
     parser.add_argument("--drafts", default="smollm2-135m")
-    parser.add_argument("--strategies", default="naive,context,aligned")
+    parser.add_argument("--strategies", default="naive,context,aligned/hold,aligned",
+                        help="Comma-separated; aligned/hold is aligned with partial_word=hold.")
     parser.add_argument("--k", default="1,2,3,4,heuristic,confidence")
     parser.add_argument("--prompts", type=int, default=5)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--fidelity", action="store_true", help="Only the oracle fidelity table.")
+    parser.add_argument("--no-fidelity", action="store_true", help="Only the speed table.")
     args = parser.parse_args()
     info = backend.setup()
     print(f"MLX {info.mlx_version} on {info.device}, dtype {info.dtype}, BLAS fix {'on' if info.blas.active else 'off'}\n")
-    print("Oracle fidelity (candidates accepted / committed tokens per round):\n")
-    print(fidelity_table([2, 4]))
+    if not args.no_fidelity:
+        print("Oracle fidelity (candidates accepted / committed tokens per round):\n")
+        print(fidelity_table([2, 4]))
     if args.fidelity:
         return
     ks = [int(k) if k.isdigit() else k for k in args.k.split(",")]
-    strategies = [s for s in args.strategies.split(",") if s in STRATEGIES]
+    strategies = [s for s in args.strategies.split(",") if s.partition("/")[0] in STRATEGIES]
     print(f"\nTarget {args.target}, greedy, {args.max_tokens} tokens, {args.prompts} prompts:\n")
-    print(speed_table(args.target, args.drafts.split(","), strategies, ks, args.prompts, args.max_tokens))
+    for line in speed_table(args.target, args.drafts.split(","), strategies, ks, args.prompts, args.max_tokens):
+        print(line, flush=True)
 
 
 if __name__ == "__main__":

@@ -68,13 +68,14 @@ def assert_same_or_float_tie(target, prompt: str, expected: list[int], actual: l
     assert gap < TIE, f"{prompt!r}: token {index} differs ({actual[index]} vs {expected[index]}) with a logit gap of {gap}"
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", [*STRATEGIES, "aligned/hold"])
 @pytest.mark.parametrize("k", [1, 2, 3, 5])
 @pytest.mark.parametrize("pair", ["gemma3>smollm2", "smollm2>gemma3"])
 def test_greedy_speculative_equals_greedy_baseline(request, baseline, pair, k, strategy):
     target_name, draft_name = pair.split(">")
     target, draft = request.getfixturevalue(target_name), request.getfixturevalue(draft_name)
-    params = DecodingParams(max_tokens=MAX_TOKENS, k=k, strategy=strategy)
+    name, _, partial_word = strategy.partition("/")
+    params = DecodingParams(max_tokens=MAX_TOKENS, k=k, strategy=name, partial_word=partial_word or "verify")
     for prompt in prompts_for(pair, k, strategy):
         result = generate(target, draft, prompt, params, chat=False)
         assert_same_or_float_tie(target, prompt, baseline(target, prompt), result.token_ids)
@@ -176,6 +177,7 @@ def test_the_chi_square_check_detects_a_different_distribution(gemma3):
     (dict(top_p=1.5), r"top_p must be in \(0, 1\], got 1.5"),
     (dict(max_tokens=0), "max_tokens must be at least 1, got 0"),
     (dict(strategy="magic"), "unknown strategy 'magic'"),
+    (dict(partial_word="guess"), "partial_word must be one of verify, hold, got 'guess'"),
 ])
 def test_invalid_parameters(kwargs, message):
     with pytest.raises(PolspecError, match=message):

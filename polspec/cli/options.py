@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import click
 
-from polspec.decoding.params import K_POLICIES, MAX_K, STRATEGIES
+from polspec.decoding.params import K_POLICIES, MAX_K, PARTIAL_WORD, STRATEGIES
 
 DEFAULT_TARGET = "gemma3-270m"
 
@@ -35,6 +35,9 @@ _OPTIONS = [
     click.option("--strategy", default="aligned", show_default=True, type=click.Choice(STRATEGIES),
                  help="How draft tokens become target tokens when the tokenizers differ."),
     click.option("--prefix", default=5, show_default=True, type=int, help="Committed target tokens of context for translation."),
+    click.option("--partial-word", default="verify", show_default=True, type=click.Choice(PARTIAL_WORD),
+                 help="aligned only: verify the tokens of a word the draft stopped inside (one more position in "
+                      "the same forward), or hold them for the next round (fewer rejected candidates)."),
     click.option("--max-tokens", default=128, show_default=True, type=int, help="Tokens to generate at most."),
     click.option("--temperature", default=0.0, show_default=True, type=float, help="0 is greedy decoding."),
     click.option("--top-p", default=1.0, show_default=True, type=float, help="Nucleus sampling mass, in (0, 1]."),
@@ -54,6 +57,6 @@ def decoding_options(command: Callable) -> Callable:
 def decoding_params(options: dict):
     """DecodingParams from the parsed options (validated there, with one-line errors)."""
     from polspec.decoding.params import DecodingParams
+    from polspec.jobs.spec import ITEM_PARAMS
 
-    names = ("max_tokens", "k", "strategy", "prefix", "temperature", "top_p", "top_k", "seed")
-    return DecodingParams(**{name: options[name] for name in names})
+    return DecodingParams(**{name: options[name] for name in ITEM_PARAMS})

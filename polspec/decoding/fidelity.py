@@ -56,8 +56,14 @@ def oracle_fidelity(
     k: int,
     strategy: str,
     prefix: int = 5,
+    partial_word: str = "verify",
 ) -> Fidelity:
-    """Run the decoder's rounds on ``text`` with a perfect draft and a perfect target."""
+    """Run the decoder's rounds on ``text`` with a perfect draft and a perfect target.
+
+    With ``partial_word="hold"`` every candidate ``aligned`` proposes is one the text's final
+    tokenization keeps, so the acceptance measures translation alone; ``verify`` also proposes
+    the tokens of a word the proposal stops inside, which commits more tokens per round.
+    """
     target, draft = token_bytes(target_tokenizer), token_bytes(draft_tokenizer)
     truth = target.encode(text.encode())
     committed = truth[:PROMPT_TOKENS]
@@ -68,7 +74,8 @@ def oracle_fidelity(
     while len(committed) < len(truth):
         done = len(target.text(committed))
         proposal = _perfect_proposal(draft, draft_ids, full[done - len(lag):] if lag else full[done:], k)
-        translation = translate_draft_to_target(strategy, draft, target, proposal, committed, prefix, 2 * k + 2)
+        translation = translate_draft_to_target(strategy, draft, target, proposal, committed, prefix, 2 * k + 2,
+                                                partial_word=partial_word)
         expected = truth[len(committed):]
         n = 0
         while n < len(translation.candidates) and n < len(expected) and translation.candidates[n] == expected[n]:

@@ -8,6 +8,7 @@ from polspec.errors import PolspecError
 
 STRATEGIES = ("aligned", "context", "naive", "none")  # see polspec.decoding.translate
 K_POLICIES = ("heuristic", "confidence", "auto")
+PARTIAL_WORD = ("verify", "hold")  # what aligned does with the tokens of a word a proposal stops inside
 MAX_K = 16
 
 
@@ -17,7 +18,10 @@ class DecodingParams:
 
     ``k`` is the draft length (a number, or a policy name: ``heuristic`` adapts it from
     acceptance, ``confidence`` stops drafting when the draft's top probability falls below
-    ``confidence``, ``auto`` chooses it from the machine's cost model, down to plain decoding); ``strategy`` and ``prefix`` choose the translation between tokenizers;
+    ``confidence``, ``auto`` chooses it from the machine's cost model, down to plain decoding); ``strategy`` and ``prefix`` choose the translation between tokenizers, and
+    ``partial_word`` whether ``aligned`` verifies the tokens of a word the draft stopped inside
+    (``verify``: one more position in the same forward) or leaves them for the next round
+    (``hold``: fewer rejected candidates, fewer tokens per round);
     ``temperature`` 0 is greedy. Target candidates per round are capped at ``2 * k_max + 2``.
     """
 
@@ -25,6 +29,7 @@ class DecodingParams:
     k: int | str = 2
     strategy: str = "aligned"
     prefix: int = 5
+    partial_word: str = "verify"
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -44,6 +49,8 @@ class DecodingParams:
             raise PolspecError(f"k_max must be between 1 and {MAX_K}, got {self.k_max}")
         if self.strategy not in STRATEGIES:
             raise PolspecError(f"unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}")
+        if self.partial_word not in PARTIAL_WORD:
+            raise PolspecError(f"partial_word must be one of {', '.join(PARTIAL_WORD)}, got {self.partial_word!r}")
         if self.prefix < 0:
             raise PolspecError(f"prefix must be 0 or more, got {self.prefix}")
         if self.temperature < 0:

@@ -25,7 +25,7 @@ from polspec import backend  # noqa: F401  (before mlx: the Linux BLAS fix)
 import mlx.core as mx
 
 from polspec.decoding.commit import Commit, RoundState
-from polspec.decoding.kv import cached_length, new_cache, prefill, trim
+from polspec.decoding.kv import PREFILL_STEP, cached_length, new_cache, prefill, trim
 from polspec.decoding.metrics import DecodeMetrics
 from polspec.decoding.params import DecodingParams
 from polspec.decoding.policy import DraftLength
@@ -65,9 +65,11 @@ class _DraftSide:
         """Up to ``k`` greedy draft tokens; the last one is not fed to the cache."""
         if k == 0:
             return []
-        if self.fed < len(self.sequence) - 1:  # catch up in prefill-sized steps
+        if len(self.sequence) - self.fed > PREFILL_STEP:  # the prompt, in prefill-sized chunks
             prefill(self.model, self.cache, self.sequence[self.fed:-1])
             self.fed = len(self.sequence) - 1
+        # The text committed since the last round goes in with the first draft step: one
+        # forward and no host sync of its own.
         inputs = mx.array([self.sequence[self.fed:]])
         proposal = []
         for step in range(k):
@@ -141,6 +143,7 @@ def generate_speculative(
             translation = translate_draft_to_target(
                 params.strategy, draft_table, target_table, proposal,
                 target_prompt[-params.prefix - 8:] + committed, params.prefix, cap, draft_side.lag,
+                params.partial_word,
             )
             candidates = translation.candidates
             metrics.boundary_misses += translation.boundary_miss

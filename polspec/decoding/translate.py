@@ -14,9 +14,10 @@ Strategies for turning a draft's proposal into target candidates (``STRATEGIES``
   encode, strip ``p`` tokens by count, unchecked;
 - ``aligned`` (default): raw bytes of the chunk, cut to whole UTF-8 characters and without a
   trailing space (it belongs to the next word's token), encoded after a window of committed
-  target text and aligned by bytes rather than by count; when the chunk stops inside a word,
-  the tokens that the word's continuation could re-merge wait for the next round. A round whose window re-encodes to different ids is a
-  boundary miss.
+  target text and aligned by bytes rather than by count. When the chunk stops inside a word,
+  the tokens that the word's continuation could re-merge are marked *tentative*: the decoder
+  verifies them (``partial_word="verify"``) or leaves them for the next round (``"hold"``).
+  A round whose window re-encodes to different ids is a boundary miss.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from functools import lru_cache
 from transformers import PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from polspec.decoding.params import STRATEGIES
+from polspec.decoding.params import PARTIAL_WORD, STRATEGIES
 
 _BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 _WORD_START = re.compile(rb"[ \t\n\r]")
@@ -189,7 +190,8 @@ class Translation:
 
     candidates: list[int]
     boundary_miss: bool = False  # the window's text agreed but re-encoded to other ids
-    held_back: int = 0  # proposal bytes left for the next round
+    held_back: int = 0  # proposal bytes not among the candidates (an incomplete character, a trailing space)
+    tentative: int = 0  # trailing candidates the continuation of an unfinished word may re-tokenize
 
 
 def translate_draft_to_target(
@@ -201,15 +203,17 @@ def translate_draft_to_target(
     prefix: int = 5,
     cap: int | None = None,
     lag: bytes = b"",
+    partial_word: str = "verify",
 ) -> Translation:
     """Target token ids standing for the draft's ``proposal``, to be verified by the target.
 
     ``committed`` are the target ids already committed (generated text, possibly preceded
     by prompt ids); ``prefix`` is the context size in target tokens for ``context`` and
     ``aligned``; ``cap`` bounds the number of candidates; ``lag`` are committed bytes the
-    draft has not seen yet (part of a character), which its proposal starts by repeating.
-    A draft special token (its EOS)
-    ends the proposal: ``aligned`` maps it to the target's EOS when nothing was held back.
+    draft has not seen yet (part of a character), which its proposal starts by repeating;
+    ``partial_word`` says whether ``aligned`` keeps its tentative candidates (``verify``) or
+    drops them (``hold``). A draft special token (its EOS) ends the proposal: ``aligned``
+    maps it to the target's EOS when nothing was held back.
     """
     text_ids = proposal
     special = next((i for i, token in enumerate(proposal) if draft.is_special(token)), None)
@@ -227,15 +231,17 @@ def translate_draft_to_target(
         return Translation(target.tokenizer.encode(text, add_special_tokens=False)[len(window):][:cap])
     if strategy != "aligned":
         raise ValueError(f"unknown translation strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
-    return _aligned(draft, target, text_ids, special is not None, committed, prefix, cap, lag)
+    if partial_word not in PARTIAL_WORD:
+        raise ValueError(f"unknown partial_word {partial_word!r}; choose one of {', '.join(PARTIAL_WORD)}")
+    return _aligned(draft, target, text_ids, special is not None, committed, prefix, cap, lag, partial_word == "hold")
 
 
 # Letters a word could go on with, to probe whether its last token would re-merge.
 _PROBES = tuple(s.encode() for s in ("a", "e", "i", "o", "y", "ą", "ę", "ó", "ch", "cz", "sz", "rz", "n", "m", "k", "ł", "ś", "ż", "w"))
 
 
-def _stable_prefix(target: TokenBytes, context: bytes, text: bytes, candidates: list[int]) -> list[int]:
-    """The candidates that keep their form however the trailing partial word goes on.
+def _stable_length(target: TokenBytes, context: bytes, text: bytes, candidates: list[int]) -> int:
+    """How many leading candidates keep their form however the trailing partial word goes on.
 
     The proposal stops inside a word, so the target may tokenize the completed word
     differently; each probe letter appended shows which leading candidates survive.
@@ -248,10 +254,10 @@ def _stable_prefix(target: TokenBytes, context: bytes, text: bytes, candidates: 
         while same < min(stable, len(ids)) and ids[same] == candidates[same]:
             same += 1
         stable = same
-    return candidates[:stable]
+    return stable
 
 
-def _aligned(draft, target, text_ids, ended, committed, prefix, cap, lag) -> Translation:
+def _aligned(draft, target, text_ids, ended, committed, prefix, cap, lag, hold) -> Translation:
     proposal = draft.text(text_ids)
     if not proposal.startswith(lag):
         return Translation([], held_back=len(proposal))
@@ -274,9 +280,14 @@ def _aligned(draft, target, text_ids, ended, committed, prefix, cap, lag) -> Tra
     if encoded is None:
         return Translation([], boundary_miss=True, held_back=len(proposal))
     window_ids, candidates = encoded
+    stable = len(candidates)
     if not (ended and whole == proposal) and not _PUNCTUATION_END.search(whole):
-        candidates = _stable_prefix(target, context, whole, candidates)
+        stable = _stable_length(target, context, whole, candidates)
+        if hold:
+            candidates = candidates[:stable]
     held_back = len(proposal) - len(target.text(candidates))
     if ended and held_back == 0 and eos is not None:
         candidates = candidates + [eos]
-    return Translation(candidates[:cap], boundary_miss=bool(window) and window_ids != window, held_back=held_back)
+    candidates = candidates[:cap]
+    return Translation(candidates, boundary_miss=bool(window) and window_ids != window, held_back=held_back,
+                       tentative=max(0, len(candidates) - stable))

@@ -1,7 +1,7 @@
 """What the queue and the resident worker cost, on a private redis-server and a fresh SQLite.
 
-    .venv/bin/python bench/queue.py --markdown                 # 10,000 items; 30 items of 16 tokens
-    .venv/bin/python bench/queue.py --items 1000 --jobs 10     # a quick look
+    .venv/bin/python bench/jobs.py --markdown                 # 10,000 items; 30 items of 16 tokens
+    .venv/bin/python bench/jobs.py --items 1000 --jobs 10     # a quick look
 
 1. Enqueueing: ``--items`` prompts through the same path as ``polspec enqueue generate``
    (validation, one database transaction, RQ jobs in pipelines), timed per phase, and the
