@@ -22,6 +22,7 @@ from polspec import backend
 from polspec.decoding import DecodingParams, generate
 from polspec.decoding.fidelity import Fidelity, oracle_fidelity
 from polspec.decoding.translate import STRATEGIES
+from polspec.jobs.datasets import load_dataset
 from polspec.models.loader import load_model
 from polspec.models.tokenizers import load_tokenizer
 
@@ -56,12 +57,15 @@ def fidelity_table(ks: list[int]) -> str:
     return "\n".join(lines)
 
 
-def prompts(count: int) -> list[str]:
-    """Openings of the built-in Polish texts: the first eight words of each."""
+def prompts(count: int, dataset: str | None) -> list[str]:
+    """The first ``count`` prompts of a dataset, or openings of the built-in Polish texts (eight words each)."""
+    if dataset:
+        return [item.prompt for item in load_dataset(dataset, DecodingParams(), count)]
     return [" ".join(text.split()[:8]) for text in polish_texts()[:count]]
 
 
-def speed_table(target_alias: str, drafts: list[str], strategies: list[str], ks: list, count: int, max_tokens: int) -> Iterator[str]:
+def speed_table(target_alias: str, drafts: list[str], strategies: list[str], ks: list, prompt_list: list[str],
+                max_tokens: int) -> Iterator[str]:
     """The speed table's lines, each row as soon as its configuration has run."""
     target = load_model(target_alias)
     yield "| draft | strategy | k | speed vs target-only (median, min-max) | accepted / candidate | accepted / draft token | tokens / round | translate / verify |"
@@ -73,7 +77,7 @@ def speed_table(target_alias: str, drafts: list[str], strategies: list[str], ks:
             params = {"strategy": strategy, "partial_word": partial_word or "verify"}
             for k in ks:
                 ratios, metrics = [], []
-                for prompt in prompts(count):
+                for prompt in prompt_list:
                     base = generate(target, None, prompt, DecodingParams(max_tokens=max_tokens), chat=False)
                     spec = generate(target, draft, prompt, DecodingParams(max_tokens=max_tokens, k=k, **params), chat=False)
                     assert spec.token_ids == base.token_ids, f"not lossless on {prompt!r}"
@@ -97,6 +101,8 @@ def main() -> None:
                         help="Comma-separated; aligned/hold is aligned with partial_word=hold.")
     parser.add_argument("--k", default="1,2,3,4,heuristic,confidence")
     parser.add_argument("--prompts", type=int, default=5)
+    parser.add_argument("--dataset", help="Take the prompts from a built-in set (pl-wiki, pl-struct, ...) "
+                                          "instead of the openings of the built-in Polish texts.")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--fidelity", action="store_true", help="Only the oracle fidelity table.")
     parser.add_argument("--no-fidelity", action="store_true", help="Only the speed table.")
@@ -110,8 +116,10 @@ def main() -> None:
         return
     ks = [int(k) if k.isdigit() else k for k in args.k.split(",")]
     strategies = [s for s in args.strategies.split(",") if s.partition("/")[0] in STRATEGIES]
-    print(f"\nTarget {args.target}, greedy, {args.max_tokens} tokens, {args.prompts} prompts:\n")
-    for line in speed_table(args.target, args.drafts.split(","), strategies, ks, args.prompts, args.max_tokens):
+    source = f"the first of {args.dataset}" if args.dataset else "openings of the built-in texts"
+    print(f"\nTarget {args.target}, greedy, {args.max_tokens} tokens, {args.prompts} prompts ({source}):\n")
+    for line in speed_table(args.target, args.drafts.split(","), strategies, ks, prompts(args.prompts, args.dataset),
+                            args.max_tokens):
         print(line, flush=True)
 
 

@@ -108,7 +108,7 @@ def test_stdin_and_dataset_inputs(env):
     assert counts(env) == (2, 8, 8)
 
 
-@pytest.mark.parametrize("dataset", ["pl-wiki", "pl-instruct", "pl-short"])
+@pytest.mark.parametrize("dataset", ["pl-wiki", "pl-instruct", "pl-short", "pl-struct"])
 def test_built_in_datasets_are_valid_polish_sets_of_at_least_60(dataset):
     from polspec.decoding.params import DecodingParams
     from polspec.jobs.datasets import load_dataset

@@ -10,6 +10,7 @@ import click
 
 from polspec.cli.options import decoding_options, decoding_params
 from polspec.errors import PolspecError
+from polspec.jobs.datasets import DATASETS, load_dataset
 
 
 @click.group()
@@ -21,7 +22,7 @@ def enqueue() -> None:
 @click.option("--input", "input_path", metavar="FILE.jsonl|-",
               help='Prompts, one JSON object per line: {"id": ..., "prompt": ...} or {"id": ..., "messages": [...]}; '
                    "- reads standard input.")
-@click.option("--dataset", help="A built-in Polish set instead: pl-wiki, pl-instruct or pl-short.")
+@click.option("--dataset", help="A built-in Polish set instead: " + ", ".join(DATASETS) + "; a .jsonl path; or hf:OWNER/NAME[:SPLIT].")
 @click.option("--limit", type=int, help="Take only the first N prompts.")
 @click.option("--name", help="Name the batch; enqueueing again under the same name adds only new ids.")
 @decoding_options
@@ -40,7 +41,6 @@ def generate(input_path: str | None, dataset: str | None, limit: int | None, nam
       polspec enqueue generate --input prompts.jsonl --target qwen2.5-coder-1.5b --draft gemma3-270m --name run1
       cat prompts.jsonl | polspec enqueue generate --input - --json
     """
-    from polspec.jobs.datasets import load_dataset
     from polspec.jobs.enqueue import enqueue_generate
     from polspec.jobs.spec import GenerateSpec, parse_jsonl
 

@@ -259,10 +259,12 @@ class AcceptanceEstimate:
         self.failures += 1 if accepted < candidates else 0
 
 
-# One estimate per (target, draft, strategy) for the life of the process, so that a worker's
+# One estimate per (target, draft, translation) for the life of the process, so that a worker's
 # later generations start from what earlier ones saw.
 _ESTIMATES: dict[tuple[str, str, str], AcceptanceEstimate] = {}
 
 
-def acceptance_estimate(target: str, draft: str, strategy: str) -> AcceptanceEstimate:
-    return _ESTIMATES.setdefault((target, draft, strategy), AcceptanceEstimate())
+def acceptance_estimate(target: str, draft: str, translation: str) -> AcceptanceEstimate:
+    """The running estimate for a pair and a translation (a strategy; ``aligned/hold`` apart from
+    ``aligned/verify``, whose candidates are accepted at different rates)."""
+    return _ESTIMATES.setdefault((target, draft, translation), AcceptanceEstimate())

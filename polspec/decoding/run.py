@@ -108,7 +108,8 @@ def auto_draft_length(target: LoadedModel, draft: LoadedModel, params: DecodingP
         save_probe(probe)
     if not can_pay(probe, params.k_max):
         return None
-    return DraftLength(params, probe, acceptance_estimate(target.entry.alias, draft.entry.alias, params.strategy))
+    translation = f"aligned/{params.partial_word}" if params.strategy == "aligned" else params.strategy
+    return DraftLength(params, probe, acceptance_estimate(target.entry.alias, draft.entry.alias, translation))
 
 
 def generate(

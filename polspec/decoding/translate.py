@@ -265,9 +265,9 @@ def _aligned(draft, target, text_ids, ended, committed, prefix, cap, lag, hold) 
     eos = target.tokenizer.eos_token_id
     if ended and not proposal:  # the draft's first token was its EOS: propose the target's
         return Translation([eos] if eos is not None else [])
-    whole = complete_utf8(proposal)
-    if not (ended and whole == proposal):
-        whole = whole.rstrip()  # a space belongs to the token of the word after it
+    complete = complete_utf8(proposal)
+    finished = ended and complete == proposal
+    whole = complete if finished else complete.rstrip()  # a space belongs to the token of the word after it
     if not whole:
         return Translation([], held_back=len(proposal))
     window = [t for t in committed[window_start(target, committed, prefix):] if not target.is_special(t)]
@@ -280,13 +280,15 @@ def _aligned(draft, target, text_ids, ended, committed, prefix, cap, lag, hold) 
     if encoded is None:
         return Translation([], boundary_miss=True, held_back=len(proposal))
     window_ids, candidates = encoded
+    # The last word may still go on unless the draft finished, stopped after whitespace
+    # (stripped above) or after punctuation.
     stable = len(candidates)
-    if not (ended and whole == proposal) and not _PUNCTUATION_END.search(whole):
+    if not finished and whole == complete and not _PUNCTUATION_END.search(whole):
         stable = _stable_length(target, context, whole, candidates)
         if hold:
             candidates = candidates[:stable]
     held_back = len(proposal) - len(target.text(candidates))
-    if ended and held_back == 0 and eos is not None:
+    if finished and held_back == 0 and eos is not None:
         candidates = candidates + [eos]
     candidates = candidates[:cap]
     return Translation(candidates, boundary_miss=bool(window) and window_ids != window, held_back=held_back,

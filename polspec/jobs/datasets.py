@@ -2,7 +2,9 @@
 
 - ``pl-wiki``: encyclopedic openings to continue (structured, factual text);
 - ``pl-instruct``: open-ended instructions in the style of pl_alpaca;
-- ``pl-short``: short questions with short answers.
+- ``pl-short``: short questions with short answers;
+- ``pl-struct``: structured Polish text to go on with: lists, tables, JSON, CSV, forms,
+  timelines, grammar tables (where a draft guesses most tokens, so speculation pays most).
 
 Each line is ``{"id": ..., "prompt": ...}``, the same format ``polspec enqueue generate --input``
 reads, so a dataset is validated by the same code as a user's file. Sweeps also take a path to
@@ -24,6 +26,7 @@ DATASETS = {
     "pl-wiki": "encyclopedic openings to continue",
     "pl-instruct": "open-ended instructions (pl_alpaca style)",
     "pl-short": "short questions with short answers",
+    "pl-struct": "structured text to continue: lists, tables, JSON, CSV, forms",
 }
 
 
