@@ -101,3 +101,12 @@ def test_generate_streams_greedy_polish_and_reports_json(gemma3):
 def test_generate_bad_input(args, message):
     code, output = invoke(*args)
     assert code == 1 and output.startswith(message) and output.count("\n") == 1
+
+
+def test_tables_print_whole_when_the_output_is_not_a_terminal(monkeypatch):
+    from polspec.cli.console import REDIRECTED_WIDTH, output_console
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    assert output_console().width == REDIRECTED_WIDTH
+    monkeypatch.setenv("COLUMNS", "100")
+    assert output_console().width == 100

@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 
 import click
-from rich.console import Console
 from rich.table import Table
 
+from polspec.cli.console import output_console
 from polspec.cli.progress import progress_bar
 from polspec.errors import PolspecError
 from polspec.models.registry import ModelEntry, TokenizerEntry, load_registry
@@ -67,7 +67,7 @@ def list_models(as_json: bool) -> None:
             row["alias"], row["kind"], row["source"], row["architecture"], row["tokenizer_family"],
             "yes" if row["chat_template"] else "", "[green]yes[/]" if row["cached"] else "no",
         )
-    Console().print(table)
+    output_console().print(table)
 
 
 @models.command()
@@ -155,8 +155,9 @@ def show(alias: str, as_json: bool) -> None:
 def probe(target: str, draft: str, repeats: int, as_json: bool) -> None:
     """Measure what speculation costs for TARGET with DRAFT on this machine, and store it.
 
-    Measures c (draft step / target step), rho(m) (a target forward over m tokens / over one,
-    m = 1..9) and tau (translation per round / target step), then shows the acceptance each k
+    Measures c (draft step / target step), d (the draft's per-round work beyond its k steps,
+    in target steps), rho(m) (a target forward over m tokens / over one, m = 1..9) and tau
+    (translation per round / target step), then shows the acceptance each k
     needs to beat target-only decoding. `--k auto` uses the stored probe (and measures one on
     first use).
 
@@ -185,5 +186,5 @@ def probe(target: str, draft: str, repeats: int, as_json: bool) -> None:
         even = break_even_acceptance(result, k)
         table.add_row(str(k), "never" if even is None else f"{even:.0%}",
                       *(f"{predicted_speedup(result, a, k):.2f}x" for a in (0.4, 0.6, 0.8)))
-    Console().print(table)
+    output_console().print(table)
     click.echo(f"stored in {probe_path(target, draft)}")

@@ -10,9 +10,9 @@ import tempfile
 from pathlib import Path
 
 import click
-from rich.console import Console
 from rich.table import Table
 
+from polspec.cli.console import output_console
 from polspec.errors import PolspecError
 from polspec.store.schema import Status
 
@@ -55,7 +55,7 @@ def list_command(batch_id: int | None, status: str | None, limit: int, as_json: 
         table.add_row(str(row["batch"]), row["id"], row["status"], " ".join(text.split())[:80],
                       _number(row["generated_tokens"], "{}"), _number(row["decode_tokens_per_s"], "{:.1f}"),
                       _number(row["acceptance_rate"], "{:.0%}"))
-    Console().print(table)
+    output_console().print(table)
 
 
 @results.command("show")
@@ -166,7 +166,7 @@ def sql_command(query: str, as_json: bool) -> None:
         table.add_column(column)
     for row in rows:
         table.add_row(*("" if value is None else str(value) for value in row))
-    Console().print(table)
+    output_console().print(table)
 
 
 def _number(value, pattern: str) -> str:

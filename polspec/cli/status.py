@@ -6,10 +6,10 @@ import json
 import time
 
 import click
-from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from polspec.cli.console import output_console
 from polspec.store.queries import BatchProgress
 
 
@@ -36,7 +36,7 @@ def status(batch_id: int | None, watch: bool, interval: float, as_json: bool) ->
             for batch in batch_progress(engine, batch_id):
                 click.echo(json.dumps(batch.as_dict(), ensure_ascii=False))
             return
-        console = Console()
+        console = output_console()
         batches = batch_progress(engine, batch_id)
         if not watch:
             console.print(_table(batches))

@@ -1,0 +1,21 @@
+"""The console that command output goes to: a terminal's width, or wide when redirected.
+
+Rich assumes 80 columns off a terminal, which squeezes the tables of ``status``, ``results`` and
+``models`` into truncated cells in a log file or a pipe; there they get room to print whole.
+"""
+
+from __future__ import annotations
+
+import os
+
+from rich.console import Console
+
+REDIRECTED_WIDTH = 200
+
+
+def output_console() -> Console:
+    """A console on stdout; ``COLUMNS`` still wins when set."""
+    console = Console()
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        console = Console(width=REDIRECTED_WIDTH)
+    return console
