@@ -51,6 +51,9 @@ def test_expansion_counts_baselines_and_drift_fair_order():
     assert {item.key.split("/")[-2] for item in first} == {"short-001"}
     assert plan.items[1].item.overrides["k"] == 1 and plan.items[1].item.overrides["strategy"] == "aligned"
     assert plan.name.startswith("sweep-") and expand_sweep(config(), "x").name == plan.name
+    assert plan.items[1].item.overrides["partial_word"] == "verify"
+    held = expand_sweep(config(partial_word="hold"), "test.toml")
+    assert {item.item.overrides["partial_word"] for item in held.items} == {"hold"}
 
 
 @pytest.mark.parametrize(("changes", "message"), [
@@ -64,6 +67,7 @@ def test_expansion_counts_baselines_and_drift_fair_order():
     ({"target": "qwen2.5-coder-1.5b", "drafts": ["gemma3-270m"], "raw": False}, "draft gemma3-270m has no chat template"),
     ({"repeats": 0}, "'repeats' must be a whole number of at least 1"),
     ({"k": [2, 2]}, "'k' lists a value twice"),
+    ({"partial_word": "maybe"}, "test.toml: partial_word must be one of verify, hold, got 'maybe'"),
 ])
 def test_bad_configs_name_the_key(changes, message):
     with pytest.raises(PolspecError, match=message.replace("(", r"\(").replace(")", r"\)")):

@@ -12,6 +12,7 @@ A sweep file names one target and the grid to run on it::
     limit = 20                                  # items per dataset unless the dataset says otherwise
     max_tokens = 64
     temperature = 0.0
+    partial_word = "verify"                     # or "hold" (aligned only; see polspec.decoding.translate)
     seeds = [0]
     repeats = 1
     raw = true                                  # continue text instead of the chat templates
@@ -39,7 +40,7 @@ from polspec.jobs.datasets import load_dataset
 from polspec.jobs.spec import GenerateSpec, ItemInput, check_models
 
 SWEEP_KEYS = {"name", "target", "drafts", "strategies", "k", "prefix", "datasets", "limit", "max_tokens",
-              "temperature", "top_p", "top_k", "seeds", "repeats", "raw"}
+              "temperature", "top_p", "top_k", "partial_word", "seeds", "repeats", "raw"}
 DATASET_KEYS = {"name", "limit"}
 GRID_KEYS = ("drafts", "strategies", "k", "prefix", "datasets", "seeds")
 
@@ -162,7 +163,7 @@ def _datasets(config: dict[str, Any], source: str) -> list[tuple[str, int | None
 
 
 def _params(config: dict[str, Any], source: str, **grid_point) -> DecodingParams:
-    options = {key: config[key] for key in ("max_tokens", "temperature", "top_p", "top_k") if key in config}
+    options = {key: config[key] for key in ("max_tokens", "temperature", "top_p", "top_k", "partial_word") if key in config}
     try:
         return DecodingParams(**options, **grid_point)
     except (PolspecError, TypeError) as error:
