@@ -12,10 +12,11 @@ target tokens, so the speedup over target-only decoding is
     S(a, k) = E[N] / (k c + d + rho(k'+1) + tau)
 
 and speculation pays when ``S > 1``. ``d`` is the draft's work per round beyond its k steps:
-its first forward also feeds the text committed last round, and every proposal is a host sync. ``k'`` follows from ``k`` through the pair's ratio of
-target candidates to draft tokens (1 for a same-tokenizer pair). :func:`probe` measures
-``c``, ``d``, ``rho(1..9)`` and ``tau`` on the machine at hand; probes are stored per machine and model
-pair under ``$POLSPEC_HOME/probes``. The ``auto`` draft length (:mod:`polspec.decoding.policy`)
+its first forward also feeds the text committed last round, and every proposal is a host
+sync. ``k'`` follows from ``k`` through the pair's ratio of target candidates to draft tokens
+(1 for a same-tokenizer pair). :func:`probe` measures ``c``, ``d``, ``rho(1..9)`` and ``tau``
+on the machine at hand; probes are stored per machine and model pair under
+``$POLSPEC_HOME/probes``. The ``auto`` draft length (:mod:`polspec.decoding.policy`)
 picks the k with the highest predicted S each round, and plain decoding when none exceeds 1.
 """
 

@@ -18,11 +18,12 @@ class DecodingParams:
 
     ``k`` is the draft length (a number, or a policy name: ``heuristic`` adapts it from
     acceptance, ``confidence`` stops drafting when the draft's top probability falls below
-    ``confidence``, ``auto`` chooses it from the machine's cost model, down to plain decoding); ``strategy`` and ``prefix`` choose the translation between tokenizers, and
-    ``partial_word`` whether ``aligned`` verifies the tokens of a word the draft stopped inside
-    (``verify``: one more position in the same forward) or leaves them for the next round
-    (``hold``: fewer rejected candidates, fewer tokens per round);
-    ``temperature`` 0 is greedy. Target candidates per round are capped at ``2 * k_max + 2``.
+    ``confidence``, ``auto`` chooses it from the machine's cost model, down to plain
+    decoding). ``strategy`` and ``prefix`` choose the translation between tokenizers, and
+    ``partial_word`` whether ``aligned`` verifies the tokens of a word the draft stopped
+    inside (``verify``: one more position in the same forward) or leaves them for the next
+    round (``hold``: fewer rejected candidates, fewer tokens per round). ``temperature`` 0 is
+    greedy. Target candidates per round are capped at ``2 * k_max + 2``.
     """
 
     max_tokens: int = 128
