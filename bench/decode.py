@@ -48,13 +48,19 @@ def fidelity_table(ks: list[int]) -> str:
         for k in ks:
             cells = []
             for name in strategies:
-                strategy, _, partial_word = name.partition("/")
+                strategy, partial_word = translation(name)
                 total = sum((oracle_fidelity(tokenizers[target], tokenizers[draft], text, k, strategy,
-                                             partial_word=partial_word or "verify") for text in texts),
+                                             partial_word=partial_word) for text in texts),
                             Fidelity(0, 0, 0, 0))
                 cells.append(f"{total.acceptance:.1%} / {total.tokens_per_round:.2f}")
             lines.append(f"| {target} | {draft} | {k} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def translation(name: str) -> tuple[str, str]:
+    """Strategy and partial-word mode of a column name: ``aligned/hold`` or a plain strategy (``verify``)."""
+    strategy, _, partial_word = name.partition("/")
+    return strategy, partial_word or "verify"
 
 
 def prompts(count: int, dataset: str | None) -> list[str]:
@@ -73,8 +79,8 @@ def speed_table(target_alias: str, drafts: list[str], strategies: list[str], ks:
     for draft_alias in drafts:
         draft = load_model(draft_alias)
         for name in strategies:
-            strategy, _, partial_word = name.partition("/")
-            params = {"strategy": strategy, "partial_word": partial_word or "verify"}
+            strategy, partial_word = translation(name)
+            params = {"strategy": strategy, "partial_word": partial_word}
             for k in ks:
                 ratios, metrics = [], []
                 for prompt in prompt_list:
@@ -115,7 +121,7 @@ def main() -> None:
     if args.fidelity:
         return
     ks = [int(k) if k.isdigit() else k for k in args.k.split(",")]
-    strategies = [s for s in args.strategies.split(",") if s.partition("/")[0] in STRATEGIES]
+    strategies = [s for s in args.strategies.split(",") if translation(s)[0] in STRATEGIES]
     source = f"the first of {args.dataset}" if args.dataset else "openings of the built-in texts"
     print(f"\nTarget {args.target}, greedy, {args.max_tokens} tokens, {args.prompts} prompts ({source}):\n")
     for line in speed_table(args.target, args.drafts.split(","), strategies, ks, prompts(args.prompts, args.dataset),

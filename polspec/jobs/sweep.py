@@ -39,8 +39,10 @@ from polspec.errors import PolspecError
 from polspec.jobs.datasets import load_dataset
 from polspec.jobs.spec import GenerateSpec, ItemInput, check_models
 
-SWEEP_KEYS = {"name", "target", "drafts", "strategies", "k", "prefix", "datasets", "limit", "max_tokens",
-              "temperature", "top_p", "top_k", "partial_word", "seeds", "repeats", "raw"}
+# Decoding parameters a sweep sets once for all its cells.
+SWEEP_PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "partial_word")
+SWEEP_KEYS = {"name", "target", "drafts", "strategies", "k", "prefix", "datasets", "limit", *SWEEP_PARAMS,
+              "seeds", "repeats", "raw"}
 DATASET_KEYS = {"name", "limit"}
 GRID_KEYS = ("drafts", "strategies", "k", "prefix", "datasets", "seeds")
 
@@ -163,7 +165,7 @@ def _datasets(config: dict[str, Any], source: str) -> list[tuple[str, int | None
 
 
 def _params(config: dict[str, Any], source: str, **grid_point) -> DecodingParams:
-    options = {key: config[key] for key in ("max_tokens", "temperature", "top_p", "top_k", "partial_word") if key in config}
+    options = {key: config[key] for key in SWEEP_PARAMS if key in config}
     try:
         return DecodingParams(**options, **grid_point)
     except (PolspecError, TypeError) as error:
