@@ -53,6 +53,22 @@ def test_doctor_names_an_unreachable_redis_without_its_password(closed_port, sql
     assert f"127.0.0.1:{closed_port}" in report["redis"]["url"] and "s3cret" not in output
 
 
+def test_doctor_reports_a_malformed_redis_url(sqlite_url):
+    code, output = invoke("doctor", "--json", env={"POLSPEC_REDIS_URL": "localhost:6379", "POLSPEC_DB_URL": sqlite_url})
+    assert code == 0, output
+    report = json.loads(output)["redis"]
+    assert not report["reachable"] and report["error"].startswith("not a Redis URL (")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["status", "--watch", "--interval", "0"], "0.0 is not in the range x>=0.1"),
+    (["results", "list", "--limit", "-1"], "-1 is not in the range x>=0"),
+])
+def test_out_of_range_options_are_usage_errors(sqlite_url, args, message):
+    code, output = invoke(*args, env={"POLSPEC_DB_URL": sqlite_url})
+    assert code == 2 and message in output
+
+
 def test_doctor_human_report_marks_problems(closed_port, sqlite_url):
     code, output = invoke("doctor", env={"POLSPEC_REDIS_URL": f"redis://127.0.0.1:{closed_port}/0",
                                          "POLSPEC_DB_URL": sqlite_url})

@@ -178,6 +178,11 @@ def test_the_chi_square_check_detects_a_different_distribution(gemma3):
     (dict(max_tokens=0), "max_tokens must be at least 1, got 0"),
     (dict(strategy="magic"), "unknown strategy 'magic'"),
     (dict(partial_word="guess"), "partial_word must be one of verify, hold, got 'guess'"),
+    (dict(k=2.5), "k must be a number from 1 to 16 or one of heuristic, confidence, auto, got 2.5"),
+    (dict(k=True), "k must be a number from 1 to 16 or one of heuristic, confidence, auto, got True"),
+    (dict(max_tokens=32.0), "max_tokens must be a whole number, got 32.0"),
+    (dict(seed="x"), "seed must be a whole number, got 'x'"),
+    (dict(temperature="hot"), "temperature must be a number, got 'hot'"),
 ])
 def test_invalid_parameters(kwargs, message):
     with pytest.raises(PolspecError, match=message):

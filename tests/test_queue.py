@@ -20,8 +20,10 @@ from sqlalchemy import select
 from polspec.cli import main
 from polspec.decoding import DecodingParams, generate
 from polspec.errors import PolspecError
+from polspec.jobs.control import _requeue_abandoned
 from polspec.jobs.queue import queue_name
 from polspec.store.engine import make_engine, session_scope
+from polspec.store.items import Worker, claim_item
 from polspec.store.migrate import upgrade
 from polspec.store.schema import Item, Result
 from polspec.worker.run import WorkerOptions, run_worker
@@ -160,6 +162,22 @@ def test_cancel_drops_queued_items_and_their_jobs(env, tmp_path):
     assert "nothing to recover" in output
 
 
+def test_recover_leaves_an_item_claimed_after_it_read_it(env):
+    cli(env, "enqueue", "generate", "--dataset", "pl-short", "--limit", "1", "--target", "smollm2-135m")
+    engine = make_engine(env["POLSPEC_DB_URL"])
+    item_id = next(iter(results_by_key(env).values()))[0].id
+    claim_item(engine, item_id, Worker("elsewhere", 1))
+    with session_scope(engine) as session:
+        seen = session.get(Item, item_id)  # what recover read: running, its worker since gone
+    claim_item(engine, item_id, Worker("elsewhere", 2), lease_s=0)  # a worker takes it over meanwhile
+    assert not _requeue_abandoned(engine, seen)
+    with session_scope(engine) as session:
+        item = session.get(Item, item_id)
+        assert (item.status, item.worker_pid, item.attempts) == ("running", 2, 2)
+    assert _requeue_abandoned(engine, item)
+    engine.dispose()
+
+
 @pytest.mark.slow
 def test_flushed_redis_is_rebuilt_from_the_database_by_recover(env):
     code, output = cli(env, "enqueue", "generate", "--dataset", "pl-short", "--limit", "5", "--target",
@@ -189,6 +207,15 @@ def test_a_model_that_fails_to_load_fails_its_items_and_the_worker_goes_on(env, 
     broken, fine = by_batch[1], by_batch[2]
     assert all(item.status == "failed" and "broken failed to load" in item.last_error for item in broken)
     assert fine[0].status == "done"
+
+
+def test_worker_on_a_misspelled_queue_is_a_one_line_error(env):
+    upgrade(env["POLSPEC_DB_URL"])
+    code, output = cli(env, "worker", "--burst", "--queue", "gema3-270m")
+    assert code == 1
+    assert output == ("polspec: error: unknown model alias 'gema3-270m'; did you mean gemma3-270m? "
+                      "(polspec models list shows them all)\n")
+    assert work(env, queues=("polspec-gemma3-270m",)) is False  # a queue name is taken as it is: nothing queued
 
 
 def test_worker_refuses_an_out_of_date_schema(env):

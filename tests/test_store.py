@@ -10,7 +10,7 @@ import json
 import multiprocessing
 import time
 from collections.abc import Iterator
-from datetime import UTC
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -23,7 +23,7 @@ from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.orm import Session
 
 from polspec.cli.db import db
-from polspec.errors import PolspecError
+from polspec.errors import DatabaseFailure, PolspecError
 from polspec.store.engine import display_url, make_engine, session_scope
 from polspec.store.items import database_id
 from polspec.store.migrate import (
@@ -35,6 +35,7 @@ from polspec.store.migrate import (
     require_current_schema,
     upgrade,
 )
+from polspec.store.queries import batch_progress
 from polspec.store.schema import Batch, Item, Result, metadata
 from conftest import sqlite_url
 
@@ -274,7 +275,7 @@ def test_unwritable_data_directory_is_a_one_line_error(tmp_path: Path) -> None:
 def test_unreachable_server_error_names_the_url_without_password() -> None:
     url = "postgresql+psycopg://polspec:hunter2@127.0.0.1:1/polspec"
     pytest.importorskip("psycopg")
-    with pytest.raises(PolspecError) as error:
+    with pytest.raises(DatabaseFailure) as error:  # a PolspecError the worker retries on
         current_revision(url)
     message = str(error.value)
     assert "postgresql+psycopg://polspec:***@127.0.0.1:1/polspec" in message
@@ -386,3 +387,24 @@ def test_cli_upgrade_and_current(db_url: str) -> None:
 
     again = runner.invoke(db, ["upgrade"], env=env, catch_exceptions=False)
     assert again.exit_code == 0 and "already at revision" in again.output
+
+
+# --- progress -----------------------------------------------------------------------------
+
+
+def test_eta_counts_parallel_workers_once_and_skips_idle_hours(engine: Engine) -> None:
+    """Two workers overlap on a and b (90 s busy), the sweep sits idle for hours, then c runs
+    (60 s): 150 s for 3 items, so the 2 queued items need 100 s more."""
+    start = datetime(2026, 11, 30, 10, 0, tzinfo=UTC)
+    runs = {"a": (0, 60), "b": (30, 90), "c": (5 * 3600, 5 * 3600 + 60)}
+    with session_scope(engine) as session:
+        batch = new_batch(session)
+        for key in ("a", "b", "c", "d", "e"):
+            item = new_item(session, batch, key)
+            if key in runs:
+                item.status = "done"
+                item.started_at, item.finished_at = (start + timedelta(seconds=s) for s in runs[key])
+                session.add(new_result(item))
+    (progress,) = batch_progress(engine, batch.id)
+    assert progress.busy_s == 150
+    assert progress.eta_s == pytest.approx(100)

@@ -9,12 +9,15 @@ import statistics
 import pytest
 import redis
 from click.testing import CliRunner
-from sqlalchemy import select
+from sqlalchemy import select, update
 
 from polspec.cli import main
 from polspec.decoding.costmodel import Probe, break_even_acceptance, predicted_speedup, save_probe
 from polspec.errors import PolspecError
 from polspec.jobs.sweep import expand_sweep
+from polspec.report.render import markdown
+from polspec.report.summary import Row, SweepReport, cell_row
+from polspec.report.summary import headline as summary_headline
 from polspec.store.engine import make_engine, session_scope
 from polspec.store.schema import Cell, Item, Result
 from helpers import start_worker, statuses, wait_for
@@ -68,6 +71,12 @@ def test_expansion_counts_baselines_and_drift_fair_order():
     ({"repeats": 0}, "'repeats' must be a whole number of at least 1"),
     ({"k": [2, 2]}, "'k' lists a value twice"),
     ({"partial_word": "maybe"}, "test.toml: partial_word must be one of verify, hold, got 'maybe'"),
+    ({"datasets": [{"name": "pl-short", "limit": "10"}]},
+     "test.toml: the 'limit' of dataset 'pl-short' must be a whole number of at least 1, got '10'"),
+    ({"datasets": [{"name": 5}]}, "test.toml: a dataset entry takes a 'name' (text) and a 'limit', got {'name': 5}"),
+    ({"datasets": ["pl-wiki", {"name": "pl-wiki", "limit": 5}]}, "test.toml: 'datasets' lists 'pl-wiki' twice"),
+    ({"seeds": ["x"]}, "test.toml: seed must be a whole number, got 'x'"),
+    ({"max_tokens": 2.5}, "test.toml: max_tokens must be a whole number, got 2.5"),
 ])
 def test_bad_configs_name_the_key(changes, message):
     with pytest.raises(PolspecError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -133,6 +142,8 @@ def test_small_sweep_runs_resumes_and_reports_numbers_recomputable_by_hand(env, 
     assert code == 0, output
     report = json.loads(output.splitlines()[0])
     assert len(report["rows"]) == 4 and report["missing_probe"] == []
+    assert report["done"] == report["total"] == 10
+    assert report["headlines"][0]["best"]["speedup"] == max(row["speedup"] for row in report["rows"])
     row = next(r for r in report["rows"] if r["strategy"] == "aligned" and r["k"] == "2")
     members = [(key, result) for key, (cell, _, result) in rows.items()
                if not cell.baseline and cell.config["strategy"] == "aligned" and cell.config["k"] == 2]
@@ -157,6 +168,64 @@ def test_small_sweep_runs_resumes_and_reports_numbers_recomputable_by_hand(env, 
     assert "## pl-short" in output and "| smollm2-135m | aligned | 2 | 2 |" in output
     code, output = cli(env, "status", "--json")
     assert json.loads(output.splitlines()[0])["kind"] == "sweep"
+
+
+def report_row(draft: str, strategy: str, k: str, speedup: float | None, predicted: float | None = None) -> Row:
+    return Row("pl-wiki", draft, strategy, k, 5, 20, None, None, None, None, None, speedup, None, None, None, None,
+               predicted, None)
+
+
+def test_headline_picks_the_fastest_cell_compares_auto_per_pair_and_finds_the_worst_prediction():
+    rows = [report_row("gemma3-270m", "aligned", "1", 1.10, predicted=1.00),  # misses by 1/11
+            report_row("gemma3-270m", "aligned", "2", 1.20, predicted=1.26),  # misses by 5%
+            report_row("gemma3-270m", "aligned", "4", 0.80, predicted=1.60),  # k > 3: not judged
+            report_row("gemma3-270m", "aligned", "auto", 1.14),
+            report_row("smollm2-135m", "naive", "1", 0.90),
+            report_row("smollm2-135m", "naive", "auto", 0.90),
+            report_row("gemma3-270m", "context", "1", None, predicted=5.0)]  # no paired baseline yet
+    headline = summary_headline("pl-wiki", rows)
+    assert headline.best is rows[1]
+    assert headline.auto_vs_best == pytest.approx({"gemma3-270m/aligned": 0.95, "smollm2-135m/naive": 1.0})
+    assert headline.worst_prediction is rows[0] and headline.prediction_error == pytest.approx(1 / 11)
+    report = SweepReport(1, "offline", "qwen2.5-coder-1.5b", "running", 7, 20, rows, {}, [])
+    assert ("- **pl-wiki**: fastest: gemma3-270m aligned k=2 at 1.20x; auto at 0.95-1.00 of the best fixed k "
+            "of its draft and strategy (lowest: gemma3-270m/aligned); predictions for k <= 3 within 9% (largest "
+            "miss: gemma3-270m aligned k=1, 1.00x predicted, 1.10x measured).") in markdown(report)
+    assert "status running, 7 of 20 generations done" in markdown(report)
+
+
+def test_repeats_of_a_prompt_are_averaged_before_the_interval_over_prompts():
+    def result(tokens_per_s: float) -> Result:
+        return Result(decode_tokens_per_s=tokens_per_s, metrics={"generated_tokens": 8, "rounds": 4})
+
+    members = [(("pl-wiki", 0, "a/r0"), result(2.0)), (("pl-wiki", 0, "a/r1"), result(4.0)),
+               (("pl-wiki", 0, "b/r0"), result(2.0)), (("pl-wiki", 0, "b/r1"), result(2.0))]
+    baseline = {pair: 2.0 for pair, _ in members}
+    row = cell_row(("pl-wiki", "gemma3-270m", "aligned", "2", 5), members, baseline, None)
+    per_prompt = [1.5, 1.0]  # a: (1 + 2) / 2, b: (1 + 1) / 2
+    half = 12.706 * statistics.stdev(per_prompt) / 2 ** 0.5  # t(0.975, 1 degree of freedom)
+    assert row.prompts == 2
+    assert (row.speedup, row.speedup_low, row.speedup_high) == pytest.approx((1.25, 1.25 - half, 1.25 + half))
+
+
+def test_resuming_reopens_a_cancelled_sweep_and_keeps_a_finished_one_done(env, tmp_path):
+    sweep_file = tmp_path / "small.toml"
+    sweep_file.write_text(SMALL)
+    code, output = cli(env, "enqueue", "sweep", "--config", str(sweep_file), "--json")
+    batch = json.loads(output)["batch"]
+    assert cli(env, "cancel", str(batch))[0] == 0
+    code, output = cli(env, "enqueue", "sweep", "--config", str(sweep_file), "--json")
+    assert code == 0 and json.loads(output)["enqueued"] == 10
+    assert {item.status for _, item, _ in stored(env).values()} == {"queued"}
+    assert json.loads(cli(env, "status", str(batch), "--json")[1].splitlines()[0])["status"] == "running"
+
+    engine = make_engine(env["POLSPEC_DB_URL"])
+    with session_scope(engine) as session:
+        session.execute(update(Item).values(status="done"))  # as if a worker had run them all
+    engine.dispose()
+    code, output = cli(env, "enqueue", "sweep", "--config", str(sweep_file), "--json")
+    assert code == 0 and json.loads(output)["enqueued"] == 0
+    assert json.loads(cli(env, "status", str(batch), "--json")[1].splitlines()[0])["status"] == "done"
 
 
 def test_report_of_a_missing_sweep_is_one_line(env):

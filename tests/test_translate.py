@@ -66,8 +66,19 @@ def test_aligned_candidates_are_a_prefix_of_the_proposal_in_whole_characters(tab
         emitted.decode("utf-8")
         assert translation.held_back == len(proposed) - len(emitted)
     verify, hold = translations["verify"], translations["hold"]
-    assert hold.tentative == 0
-    assert hold.candidates == verify.candidates[: len(verify.candidates) - verify.tentative]
+    assert hold.candidates == verify.candidates[: len(hold.candidates)]
+
+
+@pytest.mark.parametrize("target", ["qwen2.5-coder-1.5b", "tok:mistral-32k"])
+def test_hold_leaves_an_unfinished_word_for_the_next_round(tables, target):
+    """' mias' is ' m' + 'ias', but ' miasto' is ' mi' + 'asto' on both targets: only ' stare' is stable."""
+    table, gemma = tables[target], tables["gemma3-270m"]
+    _, committed = extend_tokens(table, [], "Kraków to".encode(), 8)
+    proposal = gemma.encode(" stare mias".encode())
+    verify, hold = (translate_draft_to_target("aligned", gemma, table, proposal, committed, 5, 10, partial_word=mode)
+                    for mode in ("verify", "hold"))
+    assert table.text(verify.candidates) == b" stare mias" and verify.held_back == 0
+    assert table.text(hold.candidates) == b" stare" and hold.held_back == len(b" mias")
 
 
 def test_encode_after_reports_a_token_across_the_boundary(tables):

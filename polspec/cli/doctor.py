@@ -15,11 +15,16 @@ from polspec.store.engine import display_url
 def _redis_report(url: str) -> dict:
     import redis
 
-    report = {"url": display_url(url), "reachable": False}
+    from polspec.jobs.queue import display_redis_url
+
+    report = {"url": display_redis_url(url), "reachable": False}
     try:
         client = redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=2)
         info = client.info("persistence")
         config = client.config_get("appendfsync") | client.config_get("save")
+    except ValueError as error:  # from_url: not a Redis URL
+        report["error"] = f"not a Redis URL ({error})"
+        return report
     except redis.RedisError as error:
         report["error"] = str(error)
         return report

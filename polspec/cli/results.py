@@ -25,7 +25,8 @@ def results() -> None:
 @results.command("list")
 @click.option("--batch", "batch_id", type=int, help="Only this batch.")
 @click.option("--status", type=click.Choice([status.value for status in Status]), help="Only items in this state.")
-@click.option("--limit", default=20, show_default=True, type=int, help="Show at most N items (0: all).")
+@click.option("--limit", default=20, show_default=True, type=click.IntRange(min=0),
+              help="Show at most N items (0: all).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per item and line.")
 def list_command(batch_id: int | None, status: str | None, limit: int, as_json: bool) -> None:
     """Items with their status, the start of their text, speed and acceptance.

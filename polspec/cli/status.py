@@ -16,7 +16,8 @@ from polspec.store.queries import BatchProgress
 @click.command()
 @click.argument("batch_id", type=int, required=False)
 @click.option("--watch", is_flag=True, help="Keep refreshing until every shown batch has finished (Ctrl+C stops).")
-@click.option("--interval", default=2.0, show_default=True, help="Seconds between refreshes with --watch.")
+@click.option("--interval", default=2.0, show_default=True, type=click.FloatRange(min=0.1),
+              help="Seconds between refreshes with --watch.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per batch and line.")
 def status(batch_id: int | None, watch: bool, interval: float, as_json: bool) -> None:
     """Show every batch and sweep (newest first), or one: items done, failed, running, queued,

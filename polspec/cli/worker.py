@@ -41,7 +41,7 @@ def worker(burst: bool, queues: tuple[str, ...], log_level: str, heartbeat_inter
         shown = names if len(names) <= 4 else [*names[:3], f"and {len(names) - 3} more"]
         click.echo(f"serving {', '.join(shown)}" + (" until empty" if burst else ""), err=True)
 
-    require_current_schema()
+    require_current_schema()  # before the progress bar reads the database
     with batch_bar() as redraw:
         options = WorkerOptions(queues=queues, burst=burst, log_level=log_level,
                                 heartbeat_interval=heartbeat_interval, heartbeat_grace=heartbeat_grace)

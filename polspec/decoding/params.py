@@ -39,6 +39,16 @@ class DecodingParams:
     k_max: int = 8
 
     def __post_init__(self) -> None:
+        # Values come from JSONL lines and TOML files too: a float k or a text seed is refused
+        # here rather than truncated or failing on the worker.
+        for name in ("max_tokens", "prefix", "top_k", "k_max", *(("seed",) if self.seed is not None else ())):
+            if not _whole(getattr(self, name)):
+                raise PolspecError(f"{name} must be a whole number, got {getattr(self, name)!r}")
+        for name in ("temperature", "top_p", "confidence"):
+            if not _whole(getattr(self, name)) and not isinstance(getattr(self, name), float):
+                raise PolspecError(f"{name} must be a number, got {getattr(self, name)!r}")
+        if not isinstance(self.k, str) and not _whole(self.k):
+            raise PolspecError(f"k must be a number from 1 to {MAX_K} or one of {', '.join(K_POLICIES)}, got {self.k!r}")
         if self.max_tokens < 1:
             raise PolspecError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if isinstance(self.k, str):
@@ -74,3 +84,7 @@ class DecodingParams:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def _whole(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

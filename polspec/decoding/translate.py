@@ -15,7 +15,7 @@ Strategies for turning a draft's proposal into target candidates (``STRATEGIES``
 - ``aligned`` (default): raw bytes of the chunk, cut to whole UTF-8 characters and without a
   trailing space (it belongs to the next word's token), encoded after a window of committed
   target text and aligned by bytes rather than by count. When the chunk stops inside a word,
-  the tokens that the word's continuation could re-merge are marked *tentative*: the decoder
+  the tokens that the word's continuation could re-merge are *tentative*: the decoder
   verifies them (``partial_word="verify"``) or leaves them for the next round (``"hold"``).
   A round whose window re-encodes to different ids is a boundary miss.
 """
@@ -190,8 +190,7 @@ class Translation:
 
     candidates: list[int]
     boundary_miss: bool = False  # the window's text agreed but re-encoded to other ids
-    held_back: int = 0  # proposal bytes not among the candidates (an incomplete character, a trailing space)
-    tentative: int = 0  # trailing candidates the continuation of an unfinished word may re-tokenize
+    held_back: int = 0  # proposal bytes not among the candidates (an incomplete character, a trailing space, a held word)
 
 
 def translate_draft_to_target(
@@ -281,15 +280,11 @@ def _aligned(draft, target, text_ids, ended, committed, prefix, cap, lag, hold) 
         return Translation([], boundary_miss=True, held_back=len(proposal))
     window_ids, candidates = encoded
     # The last word may still go on unless the draft finished, stopped after whitespace
-    # (stripped above) or after punctuation.
-    stable = len(candidates)
-    if not finished and whole == complete and not _PUNCTUATION_END.search(whole):
-        stable = _stable_length(target, context, whole, candidates)
-        if hold:
-            candidates = candidates[:stable]
+    # (stripped above) or after punctuation; only ``hold`` pays for finding its unstable tokens.
+    if hold and not finished and whole == complete and not _PUNCTUATION_END.search(whole):
+        candidates = candidates[:_stable_length(target, context, whole, candidates)]
     held_back = len(proposal) - len(target.text(candidates))
     if finished and held_back == 0 and eos is not None:
         candidates = candidates + [eos]
     candidates = candidates[:cap]
-    return Translation(candidates, boundary_miss=bool(window) and window_ids != window, held_back=held_back,
-                       tentative=max(0, len(candidates) - stable))
+    return Translation(candidates, boundary_miss=bool(window) and window_ids != window, held_back=held_back)

@@ -59,15 +59,13 @@ def recover(engine: Engine, connection: redis.Redis, batch_id: int | None = None
     waiting_ids: dict[str, set[str]] = {}
     report = Requeued()
     to_enqueue: dict[str, list[tuple[int, int]]] = defaultdict(list)
-    abandoned: list[int] = []
     for item, spec in rows:
         name = queue_name(spec["target"])
         job = jobs[job_id(db_id, item.id)]
         if item.status == Status.RUNNING.value:
-            if not owner_gone(item, me, now, lease_s):
+            if not owner_gone(item, me, now, lease_s) or not _requeue_abandoned(engine, item):
                 continue
             reason = "worker gone"
-            abandoned.append(item.id)
         elif job is None:
             reason = "job missing"
         elif job.get_status(refresh=False) in _WAITING:
@@ -82,13 +80,20 @@ def recover(engine: Engine, connection: redis.Redis, batch_id: int | None = None
             reason = f"job {JobStatus(job.get_status(refresh=False)).value}"
         report.reasons[reason] += 1
         to_enqueue[name].append((item.id, item.params["max_tokens"]))
-    if abandoned:
-        with session_scope(engine) as session:
-            session.execute(update(Item).where(Item.id.in_(abandoned), Item.status == Status.RUNNING.value)
-                            .values(status=Status.QUEUED.value, last_error="worker stopped while running it"))
     for name, items in to_enqueue.items():
         enqueue_items(connection, name, db_id, items)
     return report
+
+
+def _requeue_abandoned(engine: Engine, item: Item) -> bool:
+    """Queue an abandoned running item again, unless it was claimed or renewed since it was read
+    (another recover or a worker got there first); True if this call requeued it."""
+    heartbeat = Item.heartbeat_at.is_(None) if item.heartbeat_at is None else Item.heartbeat_at == item.heartbeat_at
+    with session_scope(engine) as session:
+        return session.execute(
+            update(Item).where(Item.id == item.id, Item.status == Status.RUNNING.value,
+                               Item.attempts == item.attempts, heartbeat)
+            .values(status=Status.QUEUED.value, last_error="worker stopped while running it")).rowcount == 1
 
 
 def cancel(engine: Engine, connection: redis.Redis | None, batch_id: int) -> int:

@@ -21,7 +21,7 @@ from polspec.jobs.spec import GenerateSpec, ItemInput, check_models
 from polspec.jobs.sweep import SweepPlan
 from polspec.settings import redis_url
 from polspec.store.engine import session_scope
-from polspec.store.items import UNFINISHED, database_id
+from polspec.store.items import UNFINISHED, database_id, settle_batch
 from polspec.store.migrate import upgraded_database
 from polspec.store.schema import Batch, Cell, Item, Status
 
@@ -118,7 +118,7 @@ def enqueue_sweep(plan: SweepPlan, *, db_url: str | None = None, queue_url: str 
     """Write a sweep (batch, cells, items) and enqueue its items in the plan's order.
 
     A sweep of the same name with the same configuration is resumed instead: its finished
-    items are kept, failed ones are queued again, and whatever has no job gets one.
+    items are kept, failed and cancelled ones are queued again, and whatever has no job gets one.
     """
     queue_url = queue_url or redis_url()
     connection = connect(queue_url)
@@ -130,9 +130,11 @@ def enqueue_sweep(plan: SweepPlan, *, db_url: str | None = None, queue_url: str 
                 if batch.kind != "sweep" or batch.spec.get("config") != plan.config:
                     raise PolspecError(f"a batch named {plan.name!r} (id {batch.id}) exists with another "
                                        "configuration; give the sweep another name")
-                session.execute(update(Item).where(Item.batch_id == batch.id, Item.status == Status.FAILED.value)
+                session.execute(update(Item).where(Item.batch_id == batch.id,
+                                                   Item.status.in_([Status.FAILED.value, Status.CANCELLED.value]))
                                 .values(status=Status.QUEUED.value, finished_at=None))
-                batch.status = Status.RUNNING.value
+                batch.status = Status.RUNNING.value  # no longer cancelled: settle_batch judges it by its items
+                settle_batch(session, batch)
                 batch_id = batch.id
             else:
                 batch_id, new_items = _write_sweep(session, plan)

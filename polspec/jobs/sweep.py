@@ -92,7 +92,6 @@ def expand_sweep(config: dict[str, Any], source: str) -> SweepPlan:
     if not isinstance(config.get("target"), str):
         raise PolspecError(f"{source}: 'target' must name the target model")
     grid = {key: _list(config, key, source) for key in GRID_KEYS if key != "datasets"}
-    grid.setdefault("seeds", [0])
     datasets = _datasets(config, source)
     repeats = config.get("repeats", 1)
     if not isinstance(repeats, int) or repeats < 1:
@@ -150,17 +149,23 @@ def _datasets(config: dict[str, Any], source: str) -> list[tuple[str, int | None
     default = config.get("limit")
     if default is not None and (not isinstance(default, int) or default < 1):
         raise PolspecError(f"{source}: 'limit' must be a whole number of at least 1")
-    chosen = []
+    chosen: list[tuple[str, int | None]] = []
     for entry in _list(config, "datasets", source):
         if isinstance(entry, str):
             chosen.append((entry, default))
         elif isinstance(entry, dict):
             unknown = sorted(set(entry) - DATASET_KEYS)
-            if unknown or "name" not in entry:
-                raise PolspecError(f"{source}: a dataset entry takes 'name' and 'limit', got {sorted(entry)}")
-            chosen.append((entry["name"], entry.get("limit", default)))
+            if unknown or not isinstance(entry.get("name"), str):
+                raise PolspecError(f"{source}: a dataset entry takes a 'name' (text) and a 'limit', got {entry}")
+            limit = entry.get("limit", default)
+            if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
+                raise PolspecError(f"{source}: the 'limit' of dataset {entry['name']!r} must be a whole number "
+                                   f"of at least 1, got {limit!r}")
+            chosen.append((entry["name"], limit))
         else:
             raise PolspecError(f"{source}: 'datasets' entries are names or {{ name = ..., limit = ... }} tables")
+        if chosen[-1][0] in (name for name, _ in chosen[:-1]):
+            raise PolspecError(f"{source}: 'datasets' lists {chosen[-1][0]!r} twice")
     return chosen
 
 

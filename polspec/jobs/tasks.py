@@ -6,9 +6,10 @@ worker's resident models, and writes the result and the item's status in one tra
 
 Failures are sorted by whether trying again can help. A :class:`PolspecError` (the prompt is
 too long for the model, a model cannot load) fails the item at once with its one-line reason
-and the job ends normally: retrying would fail the same way. Anything else (out of memory,
-the job timeout) is recorded on the item and raised again so that RQ retries the job; on the
-last attempt the item is marked failed with the reason.
+and the job ends normally: retrying would fail the same way. The database failing meanwhile
+(:class:`DatabaseFailure`) is raised again untouched, so that RQ retries the job. Anything
+else (out of memory, the job timeout) is recorded on the item and raised again so that RQ
+retries the job; on the last attempt the item is marked failed with the reason.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from polspec.backend import setup as backend_setup
 from polspec.decoding.metrics import DecodeMetrics
 from polspec.decoding.params import DecodingParams
 from polspec.decoding.run import GenerationResult, generate
-from polspec.errors import PolspecError
+from polspec.errors import DatabaseFailure, PolspecError
 from polspec.jobs.spec import GenerateSpec
 from polspec.models.loader import LoadedModel
 from polspec.store.engine import display_url
@@ -58,6 +59,8 @@ def run_item(database_id: str, item_id: int) -> dict[str, Any]:
     except Cancelled:
         fail_item(ctx.engine, item_id, ctx.me, "cancelled while running", final=True, status=Status.CANCELLED)
         return {"item": item_id, "cancelled": True}
+    except DatabaseFailure:
+        raise  # the database's fault, not the item's: RQ tries the job again
     except PolspecError as error:
         fail_item(ctx.engine, item_id, ctx.me, str(error), final=True)
         return {"item": item_id, "failed": str(error)}

@@ -3,6 +3,7 @@ the cost model's predicted speedup against the measured one."""
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from pathlib import Path
 
@@ -29,7 +30,8 @@ def _speedup_by_k(report: SweepReport, directory: Path) -> Path:
         lines = defaultdict(list)
         for row in report.rows:
             if row.dataset == dataset and row.k.isdigit() and row.speedup is not None:
-                lines[(row.draft, row.strategy)].append((int(row.k), row.speedup, row.speedup_low, row.speedup_high))
+                low, high = (math.nan, math.nan) if row.speedup_low is None else (row.speedup_low, row.speedup_high)
+                lines[(row.draft, row.strategy)].append((int(row.k), row.speedup, low, high))
         for (draft, strategy), points in sorted(lines.items()):
             points.sort()
             ks = [p[0] for p in points]

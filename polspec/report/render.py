@@ -5,14 +5,13 @@ from __future__ import annotations
 import csv
 import io
 import json
-import math
 from dataclasses import fields
 
-from polspec.report.summary import Row, SweepReport
+from polspec.report.summary import Headline, Row, SweepReport
 
 
 def _fmt(value, pattern: str = "{:.2f}") -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
+    if value is None:
         return "-"
     return pattern.format(value)
 
@@ -23,9 +22,35 @@ def _break_even(row: Row) -> str:
     return "never" if row.predicted_speedup is not None else "-"  # a prediction was made: no a pays
 
 
+def _speedup(row: Row) -> str:
+    """Mean speedup with its 95% interval where there is one (a single prompt has none)."""
+    if row.speedup is None:
+        return "-"
+    if row.speedup_low is None:
+        return f"{row.speedup:.2f}x"
+    return f"{row.speedup:.2f}x ({row.speedup_low:.2f}-{row.speedup_high:.2f})"
+
+
+def _headline(headline: Headline) -> str:
+    parts = []
+    if (best := headline.best) is not None:
+        parts.append(f"fastest: {best.draft} {best.strategy} k={best.k} at {_speedup(best)}")
+    if headline.auto_vs_best:
+        lowest = min(headline.auto_vs_best, key=headline.auto_vs_best.get)
+        ratios = headline.auto_vs_best.values()
+        parts.append(f"auto at {min(ratios):.2f}-{max(ratios):.2f} of the best fixed k of its draft and strategy "
+                     f"(lowest: {lowest})")
+    if (worst := headline.worst_prediction) is not None:
+        parts.append(f"predictions for k <= 3 within {headline.prediction_error:.0%} (largest miss: {worst.draft} "
+                     f"{worst.strategy} k={worst.k}, {worst.predicted_speedup:.2f}x predicted, "
+                     f"{worst.speedup:.2f}x measured)")
+    return f"- **{headline.dataset}**: " + ("; ".join(parts) if parts else "no cell has a paired baseline yet") + "."
+
+
 def markdown(report: SweepReport) -> str:
     lines = [f"# Sweep {report.batch_id}: {report.name}", "",
-             f"Target `{report.target}`, status {report.status}. Speedup is speculative tokens/s over the "
+             f"Target `{report.target}`, status {report.status}, {report.done:,} of {report.total:,} generations "
+             "done. Speedup is speculative tokens/s over the "
              "target-only baseline on the same prompt, mean over prompts with its 95% interval; "
              "predicted speedup and break-even acceptance come from this machine's probe "
              "(`polspec models probe`); break-even \"never\" means no acceptance makes that k pay here. "
@@ -33,18 +58,18 @@ def markdown(report: SweepReport) -> str:
     if report.missing_probe:
         lines += [f"No probe on this machine for {', '.join(report.missing_probe)}: run "
                   f"`polspec models probe {report.target} DRAFT` for the predictions.", ""]
+    if report.rows:
+        lines += ["## Summary", "", *(_headline(headline) for headline in report.headlines), ""]
     for dataset in sorted({row.dataset for row in report.rows}):
         lines += [f"## {dataset}", "",
                   "| draft | strategy | k | prompts | accept/cand | accept/draft tok | tok/round | tok/s | "
                   "speedup (95% CI) | predicted | break-even | J/tok | translate/verify |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for row in (r for r in report.rows if r.dataset == dataset):
-            interval = (f"{_fmt(row.speedup)}x ({_fmt(row.speedup_low)}-{_fmt(row.speedup_high)})"
-                        if row.speedup is not None else "-")
             lines.append(
                 f"| {row.draft} | {row.strategy} | {row.k} | {row.prompts} | {_fmt(row.acceptance_per_candidate, '{:.0%}')} | "
                 f"{_fmt(row.acceptance_per_draft_token, '{:.0%}')} | {_fmt(row.tokens_per_round)} | "
-                f"{_fmt(row.tokens_per_s, '{:.1f}')} | {interval} | {_fmt(row.predicted_speedup, '{:.2f}x')} | "
+                f"{_fmt(row.tokens_per_s, '{:.1f}')} | {_speedup(row)} | {_fmt(row.predicted_speedup, '{:.2f}x')} | "
                 f"{_break_even(row)} | {_fmt(row.joules_per_token, '{:.3f}')} | "
                 f"{_fmt(row.translation_overhead, '{:.1%}')} |")
         lines.append("")
@@ -62,5 +87,7 @@ def csv_text(report: SweepReport) -> str:
 
 def json_text(report: SweepReport) -> str:
     return json.dumps({"sweep": report.batch_id, "name": report.name, "target": report.target,
-                       "status": report.status, "missing_probe": report.missing_probe,
+                       "status": report.status, "done": report.done, "total": report.total,
+                       "missing_probe": report.missing_probe,
+                       "headlines": [headline.as_dict() for headline in report.headlines],
                        "rows": [row.as_dict() for row in report.rows]}, ensure_ascii=False)

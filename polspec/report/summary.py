@@ -4,14 +4,17 @@ Every row is computed from the stored results alone (plus this machine's probe f
 prediction), so a report can be regenerated at any time:
 
 - acceptance per candidate (accepted / verified) and per draft token, committed tokens per round;
-- tokens/s (median over prompts) and the speedup against the *paired* baseline: for every prompt
-  (and seed and repeat) the speculative tokens/s over the baseline's tokens/s on the same
-  prompt, averaged over prompts with a 95% t-interval;
+- tokens/s (median over generations) and the speedup against the *paired* baseline: for every
+  prompt, seed and repeat the speculative tokens/s over the baseline's tokens/s on the same
+  prompt, seed and repeat; averaged per prompt, then over prompts with a 95% t-interval;
 - energy per token where every item of the cell was measured;
 - translation time as a fraction of verification time;
 - the cost model's predicted speedup from the acceptance measured in the cell (the
   geometric-acceptance estimate: accepted / (accepted + rejecting rounds)), and the
   break-even acceptance for the cell's k.
+
+Per dataset, a headline over those rows: the fastest fixed-k cell, how close ``auto`` comes to
+the best fixed k of its draft and strategy, and the largest prediction miss for k <= 3.
 """
 
 from __future__ import annotations
@@ -22,12 +25,12 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from sqlalchemy import Engine, select
+from sqlalchemy import Engine, func, select
 
 from polspec.decoding.costmodel import Probe, break_even_acceptance, load_probe, predicted_speedup
 from polspec.errors import PolspecError
 from polspec.store.engine import session_scope
-from polspec.store.schema import Batch, Cell, Item, Result
+from polspec.store.schema import Batch, Cell, Item, Result, Status
 
 # Two-sided 95% quantiles of Student's t for 1..30 degrees of freedom; the normal 1.96 beyond.
 _T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
@@ -61,21 +64,64 @@ class Row:
 
 
 @dataclass
+class Headline:
+    """What a reader wants first from one dataset's rows."""
+
+    dataset: str
+    best: Row | None  # the fixed-k cell with the highest mean speedup
+    auto_vs_best: dict[str, float]  # "draft/strategy": auto's speedup over that pair's best fixed-k speedup
+    worst_prediction: Row | None  # the k <= 3 cell whose prediction misses its measured speedup most
+
+    @property
+    def prediction_error(self) -> float | None:
+        """|predicted / measured - 1| of ``worst_prediction``."""
+        row = self.worst_prediction
+        return abs(row.predicted_speedup / row.speedup - 1) if row else None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"dataset": self.dataset, "best": self.best.as_dict() if self.best else None,
+                "auto_vs_best": self.auto_vs_best, "prediction_error": self.prediction_error,
+                "worst_prediction": self.worst_prediction.as_dict() if self.worst_prediction else None}
+
+
+@dataclass
 class SweepReport:
     batch_id: int
     name: str
     target: str
     status: str
+    done: int  # generations finished, of ``total``
+    total: int
     rows: list[Row]
     probes: dict[str, Probe | None]
     missing_probe: list[str]
 
+    @property
+    def headlines(self) -> list[Headline]:
+        return [headline(dataset, [row for row in self.rows if row.dataset == dataset])
+                for dataset in sorted({row.dataset for row in self.rows})]
 
-def mean_interval(values: list[float]) -> tuple[float, float, float]:
-    """Mean and two-sided 95% t-interval; a single value has no interval (NaN bounds)."""
+
+def headline(dataset: str, rows: list[Row]) -> Headline:
+    """The headline of one dataset's rows (cells without a paired baseline are left out)."""
+    measured = [row for row in rows if row.speedup is not None]
+    fixed = [row for row in measured if row.k.isdigit()]
+    best_per_pair: dict[str, float] = {}
+    for row in fixed:
+        pair = f"{row.draft}/{row.strategy}"
+        best_per_pair[pair] = max(best_per_pair.get(pair, 0.0), row.speedup)
+    auto_vs_best = {f"{row.draft}/{row.strategy}": row.speedup / best_per_pair[f"{row.draft}/{row.strategy}"]
+                    for row in measured if row.k == "auto" and f"{row.draft}/{row.strategy}" in best_per_pair}
+    predicted = [row for row in fixed if int(row.k) <= 3 and row.predicted_speedup is not None]
+    return Headline(dataset, max(fixed, key=lambda row: row.speedup, default=None), auto_vs_best,
+                    max(predicted, key=lambda row: abs(row.predicted_speedup / row.speedup - 1), default=None))
+
+
+def mean_interval(values: list[float]) -> tuple[float, float | None, float | None]:
+    """Mean and two-sided 95% t-interval; a single value has no interval (None bounds)."""
     mean = statistics.fmean(values)
     if len(values) < 2:
-        return mean, math.nan, math.nan
+        return mean, None, None
     quantile = _T95[len(values) - 2] if len(values) - 1 <= len(_T95) else 1.96
     half = quantile * statistics.stdev(values) / math.sqrt(len(values))
     return mean, mean - half, mean + half
@@ -90,6 +136,8 @@ def sweep_report(engine: Engine, batch_id: int) -> SweepReport:
         rows = session.execute(select(Cell, Item, Result).join(Item, Item.cell_id == Cell.id)
                                .join(Result, Result.item_id == Item.id).where(Cell.batch_id == batch_id)).all()
         name, target, status = batch.name, batch.spec["target"], batch.status
+        counts = dict(session.execute(select(Item.status, func.count()).where(Item.batch_id == batch_id)
+                                      .group_by(Item.status)).all())
     baseline: dict[tuple, float] = {}
     groups: dict[tuple, list[tuple[tuple, Result]]] = defaultdict(list)
     for cell, item, result in rows:
@@ -102,24 +150,34 @@ def sweep_report(engine: Engine, batch_id: int) -> SweepReport:
             key = (config["dataset"], config["draft"], config["strategy"], str(config["k"]), config["prefix"])
             groups[key].append((pair, result))
     probes = {draft: load_probe(target, draft) for draft in {key[1] for key in groups}}
-    report_rows = [_row(key, members, baseline, probes[key[1]]) for key, members in sorted(groups.items())]
+    report_rows = [cell_row(key, members, baseline, probes[key[1]]) for key, members in sorted(groups.items())]
     missing = sorted(draft for draft, found in probes.items() if found is None)
-    return SweepReport(batch_id, name, target, status, report_rows, probes, missing)
+    return SweepReport(batch_id, name, target, status, counts.get(Status.DONE, 0), sum(counts.values()),
+                       report_rows, probes, missing)
 
 
-def _row(key: tuple, members: list[tuple[tuple, Result]], baseline: dict[tuple, float], probe: Probe | None) -> Row:
+def _prompt(pair: tuple) -> str:
+    """The prompt id of a (dataset, seed, "<prompt id>/r<repeat>") pair."""
+    return pair[2].rsplit("/", 1)[0]
+
+
+def cell_row(key: tuple, members: list[tuple[tuple, Result]], baseline: dict[tuple, float], probe: Probe | None) -> Row:
+    """The row of ``key`` (dataset, draft, strategy, k, prefix) from its results, each with its
+    (dataset, seed, "<prompt id>/r<repeat>") pair, and the baseline tokens/s of each pair."""
     dataset, draft, strategy, k, prefix = key
     metrics = [result.metrics for _, result in members]
 
     def total(name: str) -> float:
         return sum(m.get(name) or 0 for m in metrics)
 
-    ratios, base_speeds = [], []
+    # Seeds and repeats of one prompt are not independent samples: average them per prompt first.
+    ratios_per_prompt, base_speeds = defaultdict(list), []
     for pair, result in members:
         paired = baseline.get(pair)
         if paired:
-            ratios.append(result.decode_tokens_per_s / paired)
+            ratios_per_prompt[_prompt(pair)].append(result.decode_tokens_per_s / paired)
             base_speeds.append(paired)
+    ratios = [statistics.fmean(values) for values in ratios_per_prompt.values()]
     speedup, low, high = mean_interval(ratios) if ratios else (None, None, None)
     energies = [result.energy_joules for _, result in members]
     joules = (sum(energies) / total("generated_tokens")
@@ -134,7 +192,7 @@ def _row(key: tuple, members: list[tuple[tuple, Result]], baseline: dict[tuple, 
         predicted = predicted_speedup(probe, a_hat, k_used, ratio)
         even = break_even_acceptance(probe, k_used, ratio)
     return Row(
-        dataset, draft, strategy, k, prefix, len(members),
+        dataset, draft, strategy, k, prefix, len({_prompt(pair) for pair, _ in members}),
         accepted / total("candidates") if total("candidates") else None,
         total("draft_tokens_accepted") / total("draft_tokens") if total("draft_tokens") else None,
         total("generated_tokens") / total("rounds") if total("rounds") else None,

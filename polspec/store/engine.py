@@ -9,7 +9,7 @@ in between, whatever the busy timeout. Other databases are left as their driver 
 
 Errors that come from the database's surroundings (file cannot be opened, server unreachable,
 locked beyond the timeout, read-only) are raised as :class:`PolspecError` naming the URL, with
-the password hidden.
+the password hidden; those from a database operation are its subclass :class:`DatabaseFailure`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from sqlalchemy.engine import ExceptionContext
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError, OperationalError
 from sqlalchemy.orm import Session
 
-from polspec.errors import PolspecError
+from polspec.errors import DatabaseFailure, PolspecError
 from polspec.settings import database_url
 
 DEFAULT_BUSY_TIMEOUT_MS = 30_000
@@ -92,7 +92,7 @@ def make_engine(url: str | URL | None = None, *, readonly: bool = False) -> Engi
         reason = " ".join(str(context.original_exception).split())
         if sqlite and "locked" in reason:
             reason += f" (busy timeout {timeout_ms} ms; POLSPEC_DB_BUSY_TIMEOUT_MS sets it)"
-        raise PolspecError(f"database {shown}: {reason}")
+        raise DatabaseFailure(f"database {shown}: {reason}")
 
     if sqlite:
         _set_up_sqlite(engine, timeout_ms=timeout_ms, readonly=readonly)

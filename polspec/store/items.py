@@ -143,7 +143,7 @@ def finish_item(engine: Engine, item_id: int, me: Worker, result: Result) -> boo
         item.status = Status.DONE.value
         item.finished_at = utcnow()
         item.last_error = None
-        _settle_batch(session, item.batch)
+        settle_batch(session, item.batch)
         return True
 
 
@@ -158,7 +158,7 @@ def fail_item(engine: Engine, item_id: int, me: Worker, reason: str, *, final: b
         item.status = status.value if final else Status.QUEUED.value
         if final:
             item.finished_at = utcnow()
-            _settle_batch(session, item.batch)
+            settle_batch(session, item.batch)
 
 
 def _held_by(item: Item, me: Worker) -> bool:
@@ -170,7 +170,7 @@ def _locked_item(session: Session, item_id: int) -> Item | None:
     return session.scalar(select(Item).where(Item.id == item_id).with_for_update())
 
 
-def _settle_batch(session: Session, batch: Batch) -> None:
+def settle_batch(session: Session, batch: Batch) -> None:
     """Mark the batch done (or failed) once no item of it is queued or running."""
     session.flush()
     if batch.status == Status.CANCELLED.value:

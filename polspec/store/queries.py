@@ -5,9 +5,10 @@ Everything here reads; ``polspec status`` and ``polspec results`` are thin layer
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime
+from itertools import groupby
 from typing import Any
 
 from sqlalchemy import Engine, func, select, text
@@ -32,8 +33,7 @@ class BatchProgress:
     counts: dict[str, int] = field(default_factory=dict)
     generated_tokens: int = 0
     generation_s: float = 0.0
-    first_start: datetime | None = None
-    last_finish: datetime | None = None
+    busy_s: float = 0.0  # wall time during which some worker ran one of its items
 
     @property
     def total(self) -> int:
@@ -49,12 +49,16 @@ class BatchProgress:
 
     @property
     def eta_s(self) -> float | None:
-        """Seconds left at the pace of the batch so far (wall clock, so it counts every worker)."""
+        """Seconds left at the pace of the batch so far.
+
+        The pace is wall time while any worker ran the batch's items, per finished item: it
+        counts parallel workers once and leaves out the hours a resumed sweep sat idle.
+        """
         done = self.counts.get(Status.DONE, 0) + self.counts.get(Status.FAILED, 0)
         left = self.counts.get(Status.QUEUED, 0) + self.counts.get(Status.RUNNING, 0)
-        if not done or not left or self.first_start is None or self.last_finish is None:
+        if not done or not left or not self.busy_s:
             return None
-        return (self.last_finish - self.first_start).total_seconds() / done * left
+        return self.busy_s / done * left
 
     def as_dict(self) -> dict[str, Any]:
         return {"batch": self.id, "name": self.name, "kind": self.kind, "status": self.status,
@@ -79,22 +83,31 @@ def batch_progress(engine: Engine, batch_id: int | None = None) -> list[BatchPro
                 select(Item.batch_id, Item.status, func.count()).where(Item.batch_id.in_(ids))
                 .group_by(Item.batch_id, Item.status)):
             batches[batch].counts[status] = count
-        for batch, tokens, decode_s, first, last in session.execute(
+        for batch, tokens, decode_s in session.execute(
                 select(Item.batch_id, func.sum(Result.generated_tokens),
-                       func.sum(Result.generated_tokens / func.nullif(Result.decode_tokens_per_s, 0)),
-                       func.min(Item.started_at), func.max(Item.finished_at))
+                       func.sum(Result.generated_tokens / func.nullif(Result.decode_tokens_per_s, 0)))
                 .join(Result, Result.item_id == Item.id).where(Item.batch_id.in_(ids)).group_by(Item.batch_id)):
-            progress = batches[batch]
-            progress.generated_tokens, progress.generation_s = int(tokens or 0), float(decode_s or 0.0)
-            progress.first_start, progress.last_finish = _aware(first), _aware(last)
+            batches[batch].generated_tokens, batches[batch].generation_s = int(tokens or 0), float(decode_s or 0.0)
+        runs = session.execute(
+            select(Item.batch_id, Item.started_at, Item.finished_at)
+            .where(Item.batch_id.in_(ids), Item.status.in_((Status.DONE, Status.FAILED)),
+                   Item.started_at.is_not(None), Item.finished_at.is_not(None))
+            .order_by(Item.batch_id, Item.started_at))
+        for batch, spans in groupby(runs, key=lambda run: run.batch_id):
+            batches[batch].busy_s = busy_seconds((run.started_at, run.finished_at) for run in spans)
         return list(batches.values())
 
 
-def _aware(value: datetime | None) -> datetime | None:
-    # Aggregates bypass the column type, so SQLite hands back naive UTC (or text) here.
-    if isinstance(value, str):
-        value = datetime.fromisoformat(value)
-    return value if value is None or value.tzinfo else value.replace(tzinfo=UTC)
+def busy_seconds(spans: Iterable[tuple[datetime, datetime]]) -> float:
+    """Length of the union of (start, end) spans given in order of start."""
+    busy, covered_to = 0.0, None
+    for start, end in spans:
+        if covered_to is not None and start < covered_to:
+            start = covered_to
+        if end > start:
+            busy += (end - start).total_seconds()
+            covered_to = end
+    return busy
 
 
 EXPORT_COLUMNS = ("batch", "id", "status", "prompt", "messages", "text", "prompt_tokens", "generated_tokens",

@@ -40,10 +40,12 @@ class WorkerOptions:
 def queue_names(connection, wanted: Sequence[str]) -> list[str]:
     """Queue names for ``wanted`` (aliases or names); by default the queue of every registered
     model and every polspec queue Redis knows, so a waiting worker also serves models whose
-    first batch comes later."""
+    first batch comes later. A name that is no model's queue is an error with close matches:
+    a worker on a misspelled queue would wait for ever (or stop at once with ``--burst``)."""
+    registry = load_registry()
     if wanted:
-        return [name if name.startswith(QUEUE_PREFIX) else queue_name(name) for name in wanted]
-    known = {queue_name(alias) for alias in load_registry().models}
+        return [queue_name(registry.model(name.removeprefix(QUEUE_PREFIX)).alias) for name in wanted]
+    known = {queue_name(alias) for alias in registry.models}
     known |= {queue.name for queue in Queue.all(connection=connection) if queue.name.startswith(QUEUE_PREFIX)}
     return sorted(known)
 
