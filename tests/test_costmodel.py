@@ -9,9 +9,10 @@ import pytest
 from polspec.decoding import DecodingParams, generate
 from polspec.decoding.costmodel import (
     AcceptanceEstimate, Probe, best_k, break_even_acceptance, can_pay, expected_tokens, load_probe,
-    predicted_speedup, probe, round_cost, save_probe,
+    predicted_speedup, predicted_speedup_of_rounds, probe, round_cost, save_probe,
 )
 from polspec.decoding.policy import EXPLORE_EVERY, DraftLength
+from polspec.decoding.run import stored_probe
 
 
 def flat(c: float, tau: float = 0.0, rho: tuple[float, ...] = (1.0,) * 9) -> Probe:
@@ -30,6 +31,12 @@ def test_classic_speedup_when_verification_is_free():
     # rho = 1 and tau = 0 reduce S to the classic E[N] / (k c + 1).
     assert predicted_speedup(flat(0.1), 0.8, 2) == pytest.approx(((1 - 0.8**3) / 0.2) / 1.2)
     assert predicted_speedup(flat(0.1), 0.8, 0) == 1.0
+
+
+def test_plain_rounds_pull_the_prediction_towards_target_only_decoding():
+    # 3 rounds of k = 2 commit 3 * 2.44 tokens for 3 * 1.2 steps; 29 plain steps commit 29 for 29.
+    assert predicted_speedup_of_rounds(flat(0.1), 0.8, 2, 1.0, 3, 29) == pytest.approx((29 + 7.32) / (29 + 3.6))
+    assert predicted_speedup_of_rounds(flat(0.1), 0.8, 2, 1.0, 5, 0) == pytest.approx(2.44 / 1.2)
 
 
 def test_bandwidth_bound_cost_and_break_even():
@@ -82,6 +89,14 @@ def test_probe_measures_real_models_and_is_stored(gemma3, smollm2, home_with_mod
     assert 0 <= measured.draft_overhead < 5 * measured.c  # a round's extra draft work: a catch-up token, a sync
     save_probe(measured)
     assert load_probe("gemma3-270m", "smollm2-135m") == measured
+
+
+@pytest.mark.slow
+def test_stored_probe_is_measured_on_first_use_then_read_back(gemma3, smollm2, home_with_models):
+    assert load_probe("gemma3-270m", "smollm2-135m") is None
+    first = stored_probe(gemma3, smollm2)
+    assert load_probe("gemma3-270m", "smollm2-135m") == first
+    assert stored_probe(gemma3, smollm2) == first  # a second measurement would differ in its timings
 
 
 @pytest.mark.slow

@@ -143,6 +143,11 @@ def test_small_sweep_runs_resumes_and_reports_numbers_recomputable_by_hand(env, 
     report = json.loads(output.splitlines()[0])
     assert len(report["rows"]) == 4 and report["missing_probe"] == []
     assert report["done"] == report["total"] == 10
+    # The killed worker's baselines pair with the second worker's results: those pairs are counted.
+    runs = {key: (item.worker_host, item.worker_pid) for key, (_, item, _) in rows.items()}
+    crossed = [key for key, (cell, _, _) in rows.items()
+               if not cell.baseline and runs[key] != runs["pl-short/baseline/s0/" + key.split("/", 6)[-1]]]
+    assert report["cross_run_pairs"] == len(crossed)
     assert report["headlines"][0]["best"]["speedup"] == max(row["speedup"] for row in report["rows"])
     row = next(r for r in report["rows"] if r["strategy"] == "aligned" and r["k"] == "2")
     members = [(key, result) for key, (cell, _, result) in rows.items()
@@ -231,6 +236,18 @@ def test_resuming_reopens_a_cancelled_sweep_and_keeps_a_finished_one_done(env, t
 def test_report_of_a_missing_sweep_is_one_line(env):
     code, output = cli(env, "report", "99")
     assert code == 1 and "no sweep 99" in output and output.count("\n") == 1
+
+
+def test_hugging_face_rows_are_checked_like_file_lines():
+    from polspec.decoding.params import DecodingParams
+    from polspec.jobs.datasets import _hugging_face_rows
+    from polspec.jobs.spec import parse_items
+
+    rows = [{"id": "a", "instruction": "Napisz wiersz."}, {"text": "Kraków to"}, {"id": "a", "question": "Co?"}]
+    items = parse_items(_hugging_face_rows("o/n", rows, 2), "hf:o/n", DecodingParams())
+    assert [(item.key, item.prompt) for item in items] == [("a", "Napisz wiersz."), ("1", "Kraków to")]
+    with pytest.raises(PolspecError, match=r"^hf:o/n row 2: duplicate id 'a' \(first on row 0\)$"):
+        parse_items(_hugging_face_rows("o/n", rows, None), "hf:o/n", DecodingParams())
 
 
 def test_datasets_from_jsonl_files_and_a_clear_error_for_hf_without_the_package(tmp_path):

@@ -33,7 +33,7 @@ def generate(input_path: str | None, dataset: str | None, limit: int | None, nam
 
     Every line is checked before anything is written: a bad line is reported with its file and
     line number and nothing is queued. A line may set its own max_tokens, k, strategy, prefix,
-    temperature, top_p, top_k or seed.
+    partial_word, temperature, top_p, top_k or seed.
 
     \b
     Examples:

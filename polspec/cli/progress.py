@@ -40,6 +40,7 @@ def batch_bar() -> Iterator[Callable[[], None]]:
     nothing is drawn.
     """
     from polspec.store.engine import make_engine
+    from polspec.store.items import UNFINISHED
     from polspec.store.queries import batch_progress
 
     console = Console(stderr=True)
@@ -47,7 +48,7 @@ def batch_bar() -> Iterator[Callable[[], None]]:
         yield lambda: None
         return
     engine = make_engine()
-    watched = [batch.id for batch in batch_progress(engine) if batch.status in ("queued", "running")]
+    watched = [batch.id for batch in batch_progress(engine) if batch.status in UNFINISHED]
     columns = (TextColumn("[bold]items[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
                TimeElapsedColumn())
     with Progress(*columns, console=console) as progress:

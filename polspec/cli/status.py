@@ -29,6 +29,7 @@ def status(batch_id: int | None, watch: bool, interval: float, as_json: bool) ->
       polspec status 3 --watch
       polspec status --json | jq .done
     """
+    from polspec.store.items import UNFINISHED
     from polspec.store.migrate import upgraded_database
     from polspec.store.queries import batch_progress
 
@@ -43,7 +44,7 @@ def status(batch_id: int | None, watch: bool, interval: float, as_json: bool) ->
             console.print(_table(batches))
             return
         with Live(_table(batches), console=console, auto_refresh=False) as live:
-            while any(batch.status in ("queued", "running") for batch in batches):
+            while any(batch.status in UNFINISHED for batch in batches):
                 time.sleep(interval)
                 batches = batch_progress(engine, batch_id)
                 live.update(_table(batches), refresh=True)

@@ -95,6 +95,13 @@ def predicted_speedup(probe: Probe, a: float, k: int, ratio: float = 1.0) -> flo
     return expected_tokens(a, candidates_for(k, ratio)) / round_cost(probe, k, ratio)
 
 
+def predicted_speedup_of_rounds(probe: Probe, a: float, k: int, ratio: float, speculative: int, plain: int) -> float:
+    """S over a generation of ``speculative`` rounds with ``k`` draft tokens and ``plain``
+    target-only steps (``auto`` at k = 0): its expected tokens over its cost, in target steps."""
+    tokens = plain + speculative * expected_tokens(a, candidates_for(k, ratio))
+    return tokens / (plain + speculative * round_cost(probe, k, ratio))
+
+
 def break_even_acceptance(probe: Probe, k: int, ratio: float = 1.0) -> float | None:
     """The acceptance at which ``k`` starts to pay (S = 1); None if even a = 1 does not pay."""
     if predicted_speedup(probe, 1.0, k, ratio) <= 1.0:

@@ -11,7 +11,7 @@ import mlx.core as mx
 
 from polspec.decoding.autoregressive import generate_autoregressive
 from polspec.decoding.commit import Commit
-from polspec.decoding.costmodel import acceptance_estimate, can_pay, load_probe, save_probe
+from polspec.decoding.costmodel import Probe, acceptance_estimate, can_pay, load_probe, save_probe
 from polspec.decoding.costmodel import probe as measure_probe
 from polspec.decoding.metrics import DecodeMetrics
 from polspec.decoding.params import DecodingParams
@@ -99,13 +99,19 @@ def stream(
     return generate_speculative(target, draft, target_ids, draft_ids, params, metrics, policy)
 
 
-def auto_draft_length(target: LoadedModel, draft: LoadedModel, params: DecodingParams) -> DraftLength | None:
-    """The ``auto`` policy for this pair from its stored probe (measured and stored on first
-    use), or None when the probe says no k can beat plain decoding here."""
+def stored_probe(target: LoadedModel, draft: LoadedModel) -> Probe:
+    """This machine's stored probe for the pair; measured and stored first when there is none."""
     probe = load_probe(target.entry.alias, draft.entry.alias)
     if probe is None:
         probe = measure_probe(target, draft)
         save_probe(probe)
+    return probe
+
+
+def auto_draft_length(target: LoadedModel, draft: LoadedModel, params: DecodingParams) -> DraftLength | None:
+    """The ``auto`` policy for this pair from its :func:`stored_probe`, or None when the probe
+    says no k can beat plain decoding here."""
+    probe = stored_probe(target, draft)
     if not can_pay(probe, params.k_max):
         return None
     translation = f"aligned/{params.partial_word}" if params.strategy == "aligned" else params.strategy

@@ -15,12 +15,13 @@ such a file, and ``hf:OWNER/NAME[:SPLIT]`` for a Hugging Face dataset (needs the
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from importlib import resources
 from pathlib import Path
 
 from polspec.decoding.params import DecodingParams
 from polspec.errors import PolspecError
-from polspec.jobs.spec import ItemInput, parse_item, parse_jsonl
+from polspec.jobs.spec import ItemInput, parse_items, parse_jsonl
 
 DATASETS = {
     "pl-wiki": "encyclopedic openings to continue",
@@ -63,12 +64,16 @@ def _hugging_face(name: str, base: DecodingParams, limit: int | None) -> list[It
         rows = datasets.load_dataset(repo, split=split or "train", streaming=True)
     except Exception as error:  # the hub client raises many kinds (offline, not found, gated)
         raise PolspecError(f"hf:{name}: cannot load it: {error}") from None
-    items = []
+    return parse_items(_hugging_face_rows(name, rows, limit), f"hf:{name}", base)
+
+
+def _hugging_face_rows(name: str, rows: Iterable[dict], limit: int | None) -> Iterator[tuple[str, str, dict]]:
+    """("hf:NAME row N", "row N", a prompt object) for the first ``limit`` rows, from the first text
+    column of :data:`HF_COLUMNS` the row has; the row number is the id where there is none."""
     for index, row in enumerate(rows):
         if limit is not None and index >= limit:
-            break
+            return
         column = next((key for key in HF_COLUMNS if isinstance(row.get(key), str)), None)
         if column is None:
             raise PolspecError(f"hf:{name}: rows have none of the columns {', '.join(HF_COLUMNS)}")
-        items.append(parse_item({"id": str(row.get("id", index)), "prompt": row[column]}, f"hf:{name} row {index}", base))
-    return items
+        yield f"hf:{name} row {index}", f"row {index}", {"id": str(row.get("id", index)), "prompt": row[column]}

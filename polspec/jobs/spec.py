@@ -13,7 +13,7 @@ Every line is checked before anything is written; the first problem is raised as
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,10 +83,13 @@ def parse_jsonl(lines: Iterable[bytes], source: str, base: DecodingParams) -> li
     """Parse and validate JSONL prompt lines (raw bytes, so bad UTF-8 is reported by line).
 
     Blank lines are skipped. Raises :class:`PolspecError` "SOURCE:LINE: problem" for the first
-    bad line; ids must be unique; an input with no prompts at all is an error too.
+    bad line; then as :func:`parse_items`.
     """
-    items: list[ItemInput] = []
-    seen: dict[str, int] = {}
+    return parse_items(_json_lines(lines, source), source, base)
+
+
+def _json_lines(lines: Iterable[bytes], source: str) -> Iterator[tuple[str, str, Any]]:
+    """("SOURCE:N", "line N", the line's JSON value) for every line N that is not blank."""
     for number, raw in enumerate(lines, start=1):
         where = f"{source}:{number}"
         try:
@@ -96,13 +99,21 @@ def parse_jsonl(lines: Iterable[bytes], source: str, base: DecodingParams) -> li
         if not line.strip():
             continue
         try:
-            data = json.loads(line)
+            yield where, f"line {number}", json.loads(line)
         except json.JSONDecodeError as error:
             raise PolspecError(f"{where}: malformed JSON: {error.msg} at column {error.colno}") from None
+
+
+def parse_items(objects: Iterable[tuple[str, str, Any]], source: str, base: DecodingParams) -> list[ItemInput]:
+    """Every (where, place in the source, prompt object) checked by :func:`parse_item`; ids must
+    be unique, and an input with no prompts at all is an error too."""
+    items: list[ItemInput] = []
+    seen: dict[str, str] = {}
+    for where, place, data in objects:
         item = parse_item(data, where, base)
         if item.key in seen:
-            raise PolspecError(f"{where}: duplicate id {item.key!r} (first on line {seen[item.key]})")
-        seen[item.key] = number
+            raise PolspecError(f"{where}: duplicate id {item.key!r} (first on {seen[item.key]})")
+        seen[item.key] = place
         items.append(item)
     if not items:
         raise PolspecError(f"{source}: no prompts in it")

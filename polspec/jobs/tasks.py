@@ -27,7 +27,7 @@ from polspec import __version__
 from polspec.backend import setup as backend_setup
 from polspec.decoding.metrics import DecodeMetrics
 from polspec.decoding.params import DecodingParams
-from polspec.decoding.run import GenerationResult, generate
+from polspec.decoding.run import GenerationResult, generate, stored_probe
 from polspec.errors import DatabaseFailure, PolspecError
 from polspec.jobs.spec import GenerateSpec
 from polspec.models.loader import LoadedModel
@@ -83,6 +83,10 @@ def _generate(ctx: context.WorkerContext, claim: Claim) -> Result:
     target = ctx.models.get(spec.target, keep=(spec.draft,) if spec.draft else ())
     draft = ctx.models.get(spec.draft, keep=(spec.target,)) if spec.draft else None
     load_s = time.perf_counter() - load_start
+    probe_start = time.perf_counter()
+    if draft is not None and params.k == "auto":
+        stored_probe(target, draft)  # the first auto item on a machine measures it: not inside its timings
+    probe_s = time.perf_counter() - probe_start
     prompt = claim.prompt if claim.prompt is not None else claim.messages
     report = _Progress(ctx, claim.item_id, params.max_tokens)
     mx.reset_peak_memory()
@@ -91,7 +95,7 @@ def _generate(ctx: context.WorkerContext, claim: Claim) -> Result:
         generation = generate(target, draft, prompt, params, spec.chat, on_commit=report)
         generation_s = time.perf_counter() - start
     return _result_row(spec, target, draft, generation, energy, {
-        "model_load_s": load_s, "generation_s": generation_s, "attempt": claim.attempt,
+        "model_load_s": load_s, "probe_s": probe_s, "generation_s": generation_s, "attempt": claim.attempt,
     })
 
 

@@ -58,6 +58,10 @@ def markdown(report: SweepReport) -> str:
     if report.missing_probe:
         lines += [f"No probe on this machine for {', '.join(report.missing_probe)}: run "
                   f"`polspec models probe {report.target} DRAFT` for the predictions.", ""]
+    if report.cross_run_pairs:
+        lines += [f"{report.cross_run_pairs} speculative results are paired with a baseline that another worker "
+                  "process ran (a restart, a resumed sweep, another machine): their speedups compare runs under "
+                  "different conditions.", ""]
     if report.rows:
         lines += ["## Summary", "", *(_headline(headline) for headline in report.headlines), ""]
     for dataset in sorted({row.dataset for row in report.rows}):
@@ -88,6 +92,6 @@ def csv_text(report: SweepReport) -> str:
 def json_text(report: SweepReport) -> str:
     return json.dumps({"sweep": report.batch_id, "name": report.name, "target": report.target,
                        "status": report.status, "done": report.done, "total": report.total,
-                       "missing_probe": report.missing_probe,
+                       "missing_probe": report.missing_probe, "cross_run_pairs": report.cross_run_pairs,
                        "headlines": [headline.as_dict() for headline in report.headlines],
                        "rows": [row.as_dict() for row in report.rows]}, ensure_ascii=False)

@@ -10,7 +10,8 @@ prediction), so a report can be regenerated at any time:
 - energy per token where every item of the cell was measured;
 - translation time as a fraction of verification time;
 - the cost model's predicted speedup from the acceptance measured in the cell (the
-  geometric-acceptance estimate: accepted / (accepted + rejecting rounds)), and the
+  geometric-acceptance estimate: accepted / (accepted + rejecting rounds)) over the rounds
+  the cell ran (``auto`` rows mix speculative rounds with plain target steps), and the
   break-even acceptance for the cell's k.
 
 Per dataset, a headline over those rows: the fastest fixed-k cell, how close ``auto`` comes to
@@ -27,7 +28,7 @@ from typing import Any
 
 from sqlalchemy import Engine, func, select
 
-from polspec.decoding.costmodel import Probe, break_even_acceptance, load_probe, predicted_speedup
+from polspec.decoding.costmodel import Probe, break_even_acceptance, load_probe, predicted_speedup_of_rounds
 from polspec.errors import PolspecError
 from polspec.store.engine import session_scope
 from polspec.store.schema import Batch, Cell, Item, Result, Status
@@ -95,6 +96,9 @@ class SweepReport:
     rows: list[Row]
     probes: dict[str, Probe | None]
     missing_probe: list[str]
+    # speculative results paired with a baseline that another worker process ran (a restart, a
+    # resumed sweep, another machine): their speedups compare runs under different conditions
+    cross_run_pairs: int = 0
 
     @property
     def headlines(self) -> list[Headline]:
@@ -139,21 +143,26 @@ def sweep_report(engine: Engine, batch_id: int) -> SweepReport:
         counts = dict(session.execute(select(Item.status, func.count()).where(Item.batch_id == batch_id)
                                       .group_by(Item.status)).all())
     baseline: dict[tuple, float] = {}
+    baseline_runs: dict[tuple, tuple] = {}
+    speculative_runs: list[tuple[tuple, tuple]] = []
     groups: dict[tuple, list[tuple[tuple, Result]]] = defaultdict(list)
     for cell, item, result in rows:
+        run = (item.worker_host, item.worker_pid)
         config = cell.config
         # The item key is "<cell key>/<prompt id>/r<repeat>": pairs share dataset, seed and the rest.
         pair = (config["dataset"], config["seed"], item.item_key[len(cell.key) + 1:])
         if cell.baseline:
-            baseline[pair] = result.decode_tokens_per_s
+            baseline[pair], baseline_runs[pair] = result.decode_tokens_per_s, run
         else:
+            speculative_runs.append((pair, run))
             key = (config["dataset"], config["draft"], config["strategy"], str(config["k"]), config["prefix"])
             groups[key].append((pair, result))
     probes = {draft: load_probe(target, draft) for draft in {key[1] for key in groups}}
     report_rows = [cell_row(key, members, baseline, probes[key[1]]) for key, members in sorted(groups.items())]
     missing = sorted(draft for draft, found in probes.items() if found is None)
     return SweepReport(batch_id, name, target, status, counts.get(Status.DONE, 0), sum(counts.values()),
-                       report_rows, probes, missing)
+                       report_rows, probes, missing,
+                       sum(1 for pair, run in speculative_runs if baseline_runs.get(pair, run) != run))
 
 
 def _prompt(pair: tuple) -> str:
@@ -189,7 +198,7 @@ def cell_row(key: tuple, members: list[tuple[tuple, Result]], baseline: dict[tup
     ratio = total("candidates") / total("draft_tokens") if total("draft_tokens") else 1.0
     predicted = even = None
     if probe is not None and a_hat is not None and k_used:
-        predicted = predicted_speedup(probe, a_hat, k_used, ratio)
+        predicted = predicted_speedup_of_rounds(probe, a_hat, k_used, ratio, speculative_rounds, total("plain_rounds"))
         even = break_even_acceptance(probe, k_used, ratio)
     return Row(
         dataset, draft, strategy, k, prefix, len({_prompt(pair) for pair, _ in members}),
