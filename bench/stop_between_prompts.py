@@ -26,6 +26,8 @@ LAST_OF_ITS_PROMPT = """
 
 
 def main(path: str) -> None:
+    if not os.path.isfile(path):
+        sys.exit(f"stop_between_prompts: no SQLite database at {path}")
     database = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
     while True:
         row = database.execute(LAST_OF_ITS_PROMPT).fetchone()
