@@ -72,6 +72,52 @@ def _openblas_candidates() -> list[Path]:
     return found
 
 
+# OpenBLAS builds without DYNAMIC_ARCH run one CPU's kernels only, and the wrong ones die with
+# SIGILL on the first matmul. cmeel-openblas wheels are such builds, each for its build host:
+# 0.3.23 and 0.3.31 are SKYLAKEX (AVX-512), 0.3.29 is ZEN (AVX2). Core name -> CPU flags it needs.
+_AVX512 = frozenset({"avx512f", "avx512bw", "avx512dq", "avx512vl"})
+_OPENBLAS_CORE_FLAGS = {
+    "SKYLAKEX": _AVX512,
+    "COOPERLAKE": _AVX512 | {"avx512_bf16"},
+    "SAPPHIRERAPIDS": _AVX512 | {"avx512_bf16"},
+    "HASWELL": frozenset({"avx2", "fma"}),
+    "ZEN": frozenset({"avx2", "fma"}),
+    "SANDYBRIDGE": frozenset({"avx"}),
+}
+
+
+def cpu_flags() -> frozenset[str] | None:
+    """The x86 CPU's feature flags from /proc/cpuinfo, or None where there are none to read."""
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "flags":
+            return frozenset(value.split())
+    return None
+
+
+def openblas_mismatch(library: Path, flags: frozenset[str] | None) -> str | None:
+    """Why ``library`` would crash on a CPU with ``flags``, or None when it can run (or cannot tell).
+
+    Reads the build's core name through a private handle, which calls no kernel.
+    """
+    if flags is None:
+        return None
+    try:
+        corename = ctypes.CDLL(str(library)).openblas_get_corename
+    except (OSError, AttributeError):
+        return None
+    corename.restype = ctypes.c_char_p
+    core = corename().decode().upper()
+    missing = _OPENBLAS_CORE_FLAGS.get(core, frozenset()) - flags
+    if not missing:
+        return None
+    return f"{library} is built for {core} and needs {', '.join(sorted(missing))}, which this CPU lacks"
+
+
 def _preload_blas() -> BlasFix:
     if platform.system() != "Linux":
         return BlasFix(None, "not needed: MLX uses Accelerate on macOS")
@@ -84,7 +130,12 @@ def _preload_blas() -> BlasFix:
     if not candidates:
         return BlasFix(None, "no OpenBLAS found: pip install 'polspec[cpu]' installs cmeel-openblas")
     errors = []
+    flags = cpu_flags()
     for path in candidates:
+        mismatch = openblas_mismatch(path, flags)
+        if mismatch:
+            errors.append(f"{mismatch} (pip install 'polspec[cpu]' pins a cmeel-openblas that runs on AVX2)")
+            continue
         try:
             ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
         except OSError as error:
@@ -94,7 +145,7 @@ def _preload_blas() -> BlasFix:
     reason = "; ".join(errors)
     if "libgfortran" in reason:
         reason += " (install the system package libgfortran5)"
-    return BlasFix(None, f"could not load OpenBLAS: {reason}")
+    return BlasFix(None, f"no usable OpenBLAS: {reason}")
 
 
 BLAS_FIX = _preload_blas()

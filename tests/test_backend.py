@@ -29,6 +29,14 @@ def test_openblas_is_loaded_before_mlx():
     assert Path(backend.BLAS_FIX.library).resolve().name in mapped
 
 
+@pytest.mark.skipif(platform.machine() != "x86_64" or not backend.BLAS_FIX.active, reason="x86 OpenBLAS builds")
+def test_openblas_built_for_cpu_features_this_cpu_lacks_is_refused():
+    library = Path(backend.BLAS_FIX.library)
+    assert backend.openblas_mismatch(library, backend.cpu_flags()) is None
+    reason = backend.openblas_mismatch(library, frozenset({"sse4_2"}))
+    assert reason.startswith(f"{library} is built for ") and "avx" in reason and "this CPU lacks" in reason
+
+
 @pytest.mark.skipif(platform.system() != "Linux", reason="the BLAS fix is for MLX's Linux CPU wheel")
 def test_blas_fix_can_be_switched_off():
     result = run_python("from polspec import backend; print(backend.BLAS_FIX.reason)", POLSPEC_BLAS="off")
