@@ -394,17 +394,19 @@ def test_cli_upgrade_and_current(db_url: str) -> None:
 
 def test_eta_counts_parallel_workers_once_and_skips_idle_hours(engine: Engine) -> None:
     """Two workers overlap on a and b (90 s busy), the sweep sits idle for hours, then c runs
-    (60 s): 150 s for 3 items, so the 2 queued items need 100 s more."""
+    (60 s): 150 s for 3 items, so the 2 queued items need 100 s more. f failed within a second:
+    counting it would pace the batch at 151 s for 4 items, 75.5 s left."""
     start = datetime(2026, 11, 30, 10, 0, tzinfo=UTC)
-    runs = {"a": (0, 60), "b": (30, 90), "c": (5 * 3600, 5 * 3600 + 60)}
+    runs = {"a": (0, 60), "b": (30, 90), "c": (5 * 3600, 5 * 3600 + 60), "f": (6 * 3600, 6 * 3600 + 1)}
     with session_scope(engine) as session:
         batch = new_batch(session)
-        for key in ("a", "b", "c", "d", "e"):
+        for key in ("a", "b", "c", "d", "e", "f"):
             item = new_item(session, batch, key)
             if key in runs:
-                item.status = "done"
+                item.status = "failed" if key == "f" else "done"
                 item.started_at, item.finished_at = (start + timedelta(seconds=s) for s in runs[key])
-                session.add(new_result(item))
+                if key != "f":
+                    session.add(new_result(item))
     (progress,) = batch_progress(engine, batch.id)
     assert progress.busy_s == 150
     assert progress.eta_s == pytest.approx(100)

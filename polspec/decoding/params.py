@@ -42,12 +42,12 @@ class DecodingParams:
         # Values come from JSONL lines and TOML files too: a float k or a text seed is refused
         # here rather than truncated or failing on the worker.
         for name in ("max_tokens", "prefix", "top_k", "k_max", *(("seed",) if self.seed is not None else ())):
-            if not _whole(getattr(self, name)):
+            if not is_whole_number(getattr(self, name)):
                 raise PolspecError(f"{name} must be a whole number, got {getattr(self, name)!r}")
         for name in ("temperature", "top_p", "confidence"):
-            if not _whole(getattr(self, name)) and not isinstance(getattr(self, name), float):
+            if not is_whole_number(getattr(self, name)) and not isinstance(getattr(self, name), float):
                 raise PolspecError(f"{name} must be a number, got {getattr(self, name)!r}")
-        if not isinstance(self.k, str) and not _whole(self.k):
+        if not isinstance(self.k, str) and not is_whole_number(self.k):
             raise PolspecError(f"k must be a number from 1 to {MAX_K} or one of {', '.join(K_POLICIES)}, got {self.k!r}")
         if self.max_tokens < 1:
             raise PolspecError(f"max_tokens must be at least 1, got {self.max_tokens}")
@@ -86,5 +86,6 @@ class DecodingParams:
         return asdict(self)
 
 
-def _whole(value: object) -> bool:
+def is_whole_number(value: object) -> bool:
+    """An int that is not a bool: TOML and JSON ``true`` must not pass as 1."""
     return isinstance(value, int) and not isinstance(value, bool)

@@ -34,7 +34,7 @@ from itertools import product
 from pathlib import Path
 from typing import Any
 
-from polspec.decoding.params import DecodingParams
+from polspec.decoding.params import DecodingParams, is_whole_number
 from polspec.errors import PolspecError
 from polspec.jobs.datasets import load_dataset
 from polspec.jobs.spec import GenerateSpec, ItemInput, check_models
@@ -145,10 +145,14 @@ def _list(config: dict[str, Any], key: str, source: str) -> list:
     return values
 
 
+def _limit(value: object, where: str, source: str) -> int | None:
+    if value is not None and (not is_whole_number(value) or value < 1):
+        raise PolspecError(f"{source}: {where} must be a whole number of at least 1, got {value!r}")
+    return value
+
+
 def _datasets(config: dict[str, Any], source: str) -> list[tuple[str, int | None]]:
-    default = config.get("limit")
-    if default is not None and (not isinstance(default, int) or default < 1):
-        raise PolspecError(f"{source}: 'limit' must be a whole number of at least 1")
+    default = _limit(config.get("limit"), "'limit'", source)
     chosen: list[tuple[str, int | None]] = []
     for entry in _list(config, "datasets", source):
         if isinstance(entry, str):
@@ -157,10 +161,7 @@ def _datasets(config: dict[str, Any], source: str) -> list[tuple[str, int | None
             unknown = sorted(set(entry) - DATASET_KEYS)
             if unknown or not isinstance(entry.get("name"), str):
                 raise PolspecError(f"{source}: a dataset entry takes a 'name' (text) and a 'limit', got {entry}")
-            limit = entry.get("limit", default)
-            if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
-                raise PolspecError(f"{source}: the 'limit' of dataset {entry['name']!r} must be a whole number "
-                                   f"of at least 1, got {limit!r}")
+            limit = _limit(entry.get("limit", default), f"the 'limit' of dataset {entry['name']!r}", source)
             chosen.append((entry["name"], limit))
         else:
             raise PolspecError(f"{source}: 'datasets' entries are names or {{ name = ..., limit = ... }} tables")

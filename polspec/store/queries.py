@@ -51,10 +51,11 @@ class BatchProgress:
     def eta_s(self) -> float | None:
         """Seconds left at the pace of the batch so far.
 
-        The pace is wall time while any worker ran the batch's items, per finished item: it
-        counts parallel workers once and leaves out the hours a resumed sweep sat idle.
+        The pace is wall time while any worker ran the batch's items, per item done: it counts
+        parallel workers once and leaves out the hours a resumed sweep sat idle. Failed items
+        are left out, since one that fails at once would make the pace look fast.
         """
-        done = self.counts.get(Status.DONE, 0) + self.counts.get(Status.FAILED, 0)
+        done = self.counts.get(Status.DONE, 0)
         left = self.counts.get(Status.QUEUED, 0) + self.counts.get(Status.RUNNING, 0)
         if not done or not left or not self.busy_s:
             return None
@@ -90,7 +91,7 @@ def batch_progress(engine: Engine, batch_id: int | None = None) -> list[BatchPro
             batches[batch].generated_tokens, batches[batch].generation_s = int(tokens or 0), float(decode_s or 0.0)
         runs = session.execute(
             select(Item.batch_id, Item.started_at, Item.finished_at)
-            .where(Item.batch_id.in_(ids), Item.status.in_((Status.DONE, Status.FAILED)),
+            .where(Item.batch_id.in_(ids), Item.status == Status.DONE,
                    Item.started_at.is_not(None), Item.finished_at.is_not(None))
             .order_by(Item.batch_id, Item.started_at))
         for batch, spans in groupby(runs, key=lambda run: run.batch_id):
