@@ -12,11 +12,12 @@ from click.testing import CliRunner
 from sqlalchemy import select, update
 
 from polspec.cli import main
-from polspec.decoding.costmodel import Probe, break_even_acceptance, predicted_speedup, save_probe
+from polspec.decoding.costmodel import (Probe, break_even_acceptance, predicted_speedup, predicted_speedup_of_rounds,
+                                       save_probe)
 from polspec.errors import PolspecError
 from polspec.jobs.sweep import expand_sweep
 from polspec.report.render import markdown
-from polspec.report.summary import Row, SweepReport, cell_row
+from polspec.report.summary import Row, SweepReport, cell_row, predicted_speedup_of_cell
 from polspec.report.summary import headline as summary_headline
 from polspec.store.engine import make_engine, session_scope
 from polspec.store.schema import Cell, Item, Result
@@ -155,6 +156,9 @@ def test_small_sweep_runs_resumes_and_reports_numbers_recomputable_by_hand(env, 
     row = next(r for r in report["rows"] if r["strategy"] == "aligned" and r["k"] == "2")
     members = [(key, result) for key, (cell, _, result) in rows.items()
                if not cell.baseline and cell.config["strategy"] == "aligned" and cell.config["k"] == 2]
+    # Each speculative result records the probe its worker predicted with; baselines none.
+    assert all(Probe.from_dict(result.metrics["probe"]) == probe for _, result in members)
+    assert all(result.metrics["probe"] is None for cell, _, result in rows.values() if cell.baseline)
     ratios = []
     for key, result in members:
         baseline = rows["pl-short/baseline/s0/" + key.split("/", 6)[-1]][2]
@@ -266,3 +270,30 @@ def test_datasets_from_jsonl_files_and_a_clear_error_for_hf_without_the_package(
     except ImportError:
         with pytest.raises(PolspecError, match=r"hf:speakleash/x needs the datasets package: pip install 'polspec\[hf\]'"):
             load_dataset("hf:speakleash/x", DecodingParams())
+
+
+def test_each_result_is_predicted_with_the_probe_of_the_machine_that_ran_it():
+    """A sweep resumed on two machines: w1 and w2 ran where c = 0.2, w3 where c = 0.5, and w4
+    recorded no probe (the reporting machine's, c = 0.3, stands in). The cell's prediction is
+    each machine's, from the acceptance of its own results, weighted by prompts."""
+    def probe(c: float) -> Probe:
+        return Probe("qwen2.5-coder-1.5b", "gemma3-270m", c=c, rho=(1.0, 1.2, 1.3), tau=0.01)
+
+    def result(recorded: Probe | None, accepted: int) -> Result:
+        return Result(metrics={"rounds": 10, "plain_rounds": 0, "draft_tokens": 20, "candidates": 20,
+                               "candidates_accepted": accepted, "rejections": 10 - accepted // 2,
+                               "probe": recorded.as_dict() if recorded else None})
+
+    fast, slow, here = probe(0.2), probe(0.5), probe(0.3)
+    members = [(("pl-wiki", 0, "w1/r0"), result(fast, 8)), (("pl-wiki", 0, "w2/r0"), result(fast, 12)),
+               (("pl-wiki", 0, "w3/r0"), result(slow, 6)), (("pl-wiki", 0, "w4/r0"), result(None, 4))]
+    by_machine = [
+        (predicted_speedup_of_rounds(fast, 20 / (20 + 6 + 4), 2, 1.0, 20, 0), 2),  # w1 + w2: 20 accepted, 10 rejections
+        (predicted_speedup_of_rounds(slow, 6 / (6 + 7), 2, 1.0, 10, 0), 1),
+        (predicted_speedup_of_rounds(here, 4 / (4 + 8), 2, 1.0, 10, 0), 1),
+    ]
+    expected = sum(value * prompts for value, prompts in by_machine) / 4
+    assert predicted_speedup_of_cell("2", members, here) == pytest.approx(expected)
+    assert len({round(value, 6) for value, _ in by_machine}) == 3  # the probes make a difference
+    assert predicted_speedup_of_cell("2", members, None) is None  # w4 cannot be predicted here
+    assert predicted_speedup_of_cell("2", members[:3], None) == pytest.approx(sum(v * w for v, w in by_machine[:2]) / 3)

@@ -25,6 +25,7 @@ from rq import get_current_job
 
 from polspec import __version__
 from polspec.backend import setup as backend_setup
+from polspec.decoding.costmodel import Probe, load_probe
 from polspec.decoding.metrics import DecodeMetrics
 from polspec.decoding.params import DecodingParams
 from polspec.decoding.run import GenerationResult, generate, stored_probe
@@ -84,8 +85,11 @@ def _generate(ctx: context.WorkerContext, claim: Claim) -> Result:
     draft = ctx.models.get(spec.draft, keep=(spec.target,)) if spec.draft else None
     load_s = time.perf_counter() - load_start
     probe_start = time.perf_counter()
-    if draft is not None and params.k == "auto":
-        stored_probe(target, draft)  # the first auto item on a machine measures it: not inside its timings
+    probe = None
+    if draft is not None:
+        # The first auto item on a machine measures the probe, outside its timings. Every
+        # speculative result records it, so a report predicts it with its own machine's costs.
+        probe = stored_probe(target, draft) if params.k == "auto" else load_probe(target.entry.alias, draft.entry.alias)
     probe_s = time.perf_counter() - probe_start
     prompt = claim.prompt if claim.prompt is not None else claim.messages
     report = _Progress(ctx, claim.item_id, params.max_tokens)
@@ -94,7 +98,7 @@ def _generate(ctx: context.WorkerContext, claim: Claim) -> Result:
         start = time.perf_counter()
         generation = generate(target, draft, prompt, params, spec.chat, on_commit=report)
         generation_s = time.perf_counter() - start
-    return _result_row(spec, target, draft, generation, energy, {
+    return _result_row(spec, target, draft, generation, energy, probe, {
         "model_load_s": load_s, "probe_s": probe_s, "generation_s": generation_s, "attempt": claim.attempt,
     })
 
@@ -122,7 +126,7 @@ class _Progress:
 
 
 def _result_row(spec: GenerateSpec, target: LoadedModel, draft: LoadedModel | None, generation: GenerationResult,
-                energy: EnergyReading, timings: dict[str, Any]) -> Result:
+                energy: EnergyReading, probe: Probe | None, timings: dict[str, Any]) -> Result:
     metrics = generation.metrics
     chosen = backend_setup()
     joules_per_token = (energy.joules / metrics.generated_tokens
@@ -131,7 +135,8 @@ def _result_row(spec: GenerateSpec, target: LoadedModel, draft: LoadedModel | No
         text=generation.text,
         token_ids=generation.token_ids,
         metrics=metrics.as_dict() | {"spans": generation.spans, "joules_per_token": joules_per_token,
-                                     "energy_window": "prefill and decode"},
+                                     "energy_window": "prefill and decode",
+                                     "probe": probe.as_dict() if probe is not None else None},
         prompt_tokens=metrics.prompt_tokens,
         generated_tokens=metrics.generated_tokens,
         decode_tokens_per_s=metrics.decode_tokens_per_s or 0.0,

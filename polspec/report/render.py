@@ -52,8 +52,9 @@ def markdown(report: SweepReport) -> str:
              f"Target `{report.target}`, status {report.status}, {report.done:,} of {report.total:,} generations "
              "done. Speedup is speculative tokens/s over the "
              "target-only baseline on the same prompt, mean over prompts with its 95% interval; "
-             "predicted speedup and break-even acceptance come from this machine's probe "
-             "(`polspec models probe`); break-even \"never\" means no acceptance makes that k pay here. "
+             "predicted speedup comes from the probe (`polspec models probe`) of the machine that ran each "
+             "result, or this machine's where a result recorded none; break-even acceptance is this "
+             "machine's, and \"never\" means no acceptance makes that k pay here. "
              "Rows with k auto report what the policy did (it may decode without the draft).", ""]
     if report.missing_probe:
         lines += [f"No probe on this machine for {', '.join(report.missing_probe)}: run "

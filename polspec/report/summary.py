@@ -1,7 +1,8 @@
 """A sweep's numbers, one row per dataset, draft, strategy, k and prefix.
 
 Every row is computed from the stored results alone (plus this machine's probe for the
-prediction), so a report can be regenerated at any time:
+break-even acceptance, and for predicting results that recorded no probe), so a report can be
+regenerated at any time:
 
 - acceptance per candidate (accepted / verified) and per draft token, committed tokens per round;
 - tokens/s (median over generations) and the speedup against the *paired* baseline: for every
@@ -11,7 +12,8 @@ prediction), so a report can be regenerated at any time:
 - translation time as a fraction of verification time;
 - the cost model's predicted speedup from the acceptance measured in the cell (the
   geometric-acceptance estimate: accepted / (accepted + rejecting rounds)) over the rounds
-  the cell ran (``auto`` rows mix speculative rounds with plain target steps), and the
+  the cell ran (``auto`` rows mix speculative rounds with plain target steps), with the probe
+  of the machine that ran each result (a sweep resumed on other machines mixes them), and the
   break-even acceptance for the cell's k.
 
 Per dataset, a headline over those rows: the fastest fixed-k cell, how close ``auto`` comes to
@@ -20,6 +22,7 @@ the best fixed k of its draft and strategy, and the largest prediction miss for 
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 from collections import defaultdict
@@ -177,7 +180,7 @@ def cell_row(key: tuple, members: list[tuple[tuple, Result]], baseline: dict[tup
     metrics = [result.metrics for _, result in members]
 
     def total(name: str) -> float:
-        return sum(m.get(name) or 0 for m in metrics)
+        return _total(metrics, name)
 
     # Seeds and repeats of one prompt are not independent samples: average them per prompt first.
     ratios_per_prompt, base_speeds = defaultdict(list), []
@@ -191,15 +194,10 @@ def cell_row(key: tuple, members: list[tuple[tuple, Result]], baseline: dict[tup
     energies = [result.energy_joules for _, result in members]
     joules = (sum(energies) / total("generated_tokens")
               if energies and all(e is not None for e in energies) and total("generated_tokens") else None)
-    accepted, rejections = total("candidates_accepted"), total("rejections")
-    a_hat = accepted / (accepted + rejections) if accepted + rejections else None
-    speculative_rounds = total("rounds") - total("plain_rounds")
-    k_used = int(k) if k.isdigit() else max(1, round(total("draft_tokens") / speculative_rounds)) if speculative_rounds else 0
+    accepted = total("candidates_accepted")
     ratio = total("candidates") / total("draft_tokens") if total("draft_tokens") else 1.0
-    predicted = even = None
-    if probe is not None and a_hat is not None and k_used:
-        predicted = predicted_speedup_of_rounds(probe, a_hat, k_used, ratio, speculative_rounds, total("plain_rounds"))
-        even = break_even_acceptance(probe, k_used, ratio)
+    k_used = _k_used(k, metrics)
+    even = break_even_acceptance(probe, k_used, ratio) if probe is not None and k_used else None
     return Row(
         dataset, draft, strategy, k, prefix, len({_prompt(pair) for pair, _ in members}),
         accepted / total("candidates") if total("candidates") else None,
@@ -209,5 +207,48 @@ def cell_row(key: tuple, members: list[tuple[tuple, Result]], baseline: dict[tup
         statistics.median(base_speeds) if base_speeds else None,
         speedup, low, high, joules,
         total("translate_s") / total("verify_s") if total("verify_s") else None,
-        predicted, even,
+        predicted_speedup_of_cell(k, members, probe), even,
     )
+
+
+def _total(metrics: list[dict], name: str) -> float:
+    return sum(m.get(name) or 0 for m in metrics)
+
+
+def _k_used(k: str, metrics: list[dict]) -> int:
+    """The cell's k; for a policy, the mean draft length of its speculative rounds (0: none)."""
+    if k.isdigit():
+        return int(k)
+    speculative = _total(metrics, "rounds") - _total(metrics, "plain_rounds")
+    return max(1, round(_total(metrics, "draft_tokens") / speculative)) if speculative else 0
+
+
+def predicted_speedup_of_cell(k: str, members: list[tuple[tuple, Result]], fallback: Probe | None) -> float | None:
+    """The cost model's speedup for a cell's results, each predicted with the probe its worker
+    recorded (the machine that ran it) or else ``fallback``: per probe, from the acceptance
+    measured over that probe's results, then averaged weighted by prompts. None when a result
+    has no probe either way, or a probe's results give no acceptance to predict from."""
+    by_probe: dict[str | None, list[tuple[tuple, Result]]] = defaultdict(list)
+    for pair, result in members:
+        recorded = result.metrics.get("probe")
+        by_probe[json.dumps(recorded, sort_keys=True) if recorded else None].append((pair, result))
+    weighted = []
+    for recorded, group in by_probe.items():
+        probe = Probe.from_dict(json.loads(recorded)) if recorded else fallback
+        metrics = [result.metrics for _, result in group]
+
+        def total(name: str) -> float:
+            return _total(metrics, name)
+
+        accepted, rejections = total("candidates_accepted"), total("rejections")
+        k_used = _k_used(k, metrics)
+        if probe is None or not k_used or not accepted + rejections:
+            return None
+        ratio = total("candidates") / total("draft_tokens") if total("draft_tokens") else 1.0
+        speculative = total("rounds") - total("plain_rounds")
+        predicted = predicted_speedup_of_rounds(probe, accepted / (accepted + rejections), k_used, ratio,
+                                                speculative, total("plain_rounds"))
+        weighted.append((predicted, len({_prompt(pair) for pair, _ in group})))
+    if not weighted:
+        return None
+    return sum(value * prompts for value, prompts in weighted) / sum(prompts for _, prompts in weighted)
