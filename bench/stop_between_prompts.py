@@ -38,7 +38,11 @@ def main(url: str | None) -> None:
         with engine.connect() as connection:
             row = connection.execute(LAST_OF_ITS_PROMPT, {"host": host}).first()
         if row is not None and row.worker_pid is not None:
-            os.kill(row.worker_pid, signal.SIGTERM)
+            try:
+                os.kill(row.worker_pid, signal.SIGTERM)
+            except ProcessLookupError:
+                sys.exit(f"stop_between_prompts: worker {row.worker_pid} that ran {row.item_key} is gone "
+                         "(polspec worker recovers its item)")
             print(f"SIGTERM to worker {row.worker_pid} while it runs {row.item_key}, the last item of its prompt",
                   flush=True)
             return

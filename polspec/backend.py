@@ -102,7 +102,8 @@ def cpu_flags() -> frozenset[str] | None:
 def openblas_mismatch(library: Path, flags: frozenset[str] | None) -> str | None:
     """Why ``library`` would crash on a CPU with ``flags``, or None when it can run (or cannot tell).
 
-    Reads the build's core name through a private handle, which calls no kernel.
+    Reads the build's core name through a private handle: that runs the library's start-up
+    code, as loading it for MLX would, but no BLAS kernel, which is where a wrong build dies.
     """
     if flags is None:
         return None
@@ -134,7 +135,9 @@ def _preload_blas() -> BlasFix:
     for path in candidates:
         mismatch = openblas_mismatch(path, flags)
         if mismatch:
-            errors.append(f"{mismatch} (pip install 'polspec[cpu]' pins a cmeel-openblas that runs on AVX2)")
+            if "avx512f" in mismatch:
+                mismatch += " (pip install 'polspec[cpu]' pins a cmeel-openblas that runs on AVX2)"
+            errors.append(mismatch)
             continue
         try:
             ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)

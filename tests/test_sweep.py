@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 import statistics
@@ -70,6 +71,7 @@ def test_expansion_counts_baselines_and_drift_fair_order():
     ({"drafts": ["smollm"]}, "unknown model alias 'smollm'"),
     ({"target": "qwen2.5-coder-1.5b", "drafts": ["gemma3-270m"], "raw": False}, "draft gemma3-270m has no chat template"),
     ({"repeats": 0}, "'repeats' must be a whole number of at least 1"),
+    ({"repeats": True}, "test.toml: 'repeats' must be a whole number of at least 1, got True"),
     ({"k": [2, 2]}, "'k' lists a value twice"),
     ({"partial_word": "maybe"}, "test.toml: partial_word must be one of verify, hold, got 'maybe'"),
     ({"datasets": [{"name": "pl-short", "limit": "10"}]},
@@ -204,6 +206,10 @@ def test_headline_picks_the_fastest_cell_compares_auto_per_pair_and_finds_the_wo
             "of its draft and strategy (lowest: gemma3-270m/aligned); predictions for k <= 3 within 9% (largest "
             "miss: gemma3-270m aligned k=1, 1.00x predicted, 1.10x measured).") in markdown(report)
     assert "status running, 7 of 20 generations done" in markdown(report)
+    # Break-even "never" only where this machine's probe says so, not wherever a prediction exists.
+    assert "| 1.10x | 1.00x | - |" in markdown(report)
+    rows[1] = dataclasses.replace(rows[1], never_pays=True)
+    assert "| 1.20x | 1.26x | never |" in markdown(report)
 
 
 def test_repeats_of_a_prompt_are_averaged_before_the_interval_over_prompts():
@@ -297,3 +303,11 @@ def test_each_result_is_predicted_with_the_probe_of_the_machine_that_ran_it():
     assert len({round(value, 6) for value, _ in by_machine}) == 3  # the probes make a difference
     assert predicted_speedup_of_cell("2", members, None) is None  # w4 cannot be predicted here
     assert predicted_speedup_of_cell("2", members[:3], None) == pytest.approx(sum(v * w for v, w in by_machine[:2]) / 3)
+
+    # auto: w1's machine speculated (k = 2 on average); w5's probe said no k pays, so it decoded
+    # plainly there, which the model predicts as speedup 1.
+    plain = Result(metrics={"rounds": 12, "plain_rounds": 12, "draft_tokens": 0, "candidates": 0,
+                            "candidates_accepted": 0, "rejections": 0, "probe": slow.as_dict()})
+    auto = [members[0], (("pl-wiki", 0, "w5/r0"), plain)]
+    expected_auto = (predicted_speedup_of_rounds(fast, 8 / (8 + 6), 2, 1.0, 10, 0) + 1.0) / 2
+    assert predicted_speedup_of_cell("auto", auto, None) == pytest.approx(expected_auto)

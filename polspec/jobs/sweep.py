@@ -93,9 +93,7 @@ def expand_sweep(config: dict[str, Any], source: str) -> SweepPlan:
         raise PolspecError(f"{source}: 'target' must name the target model")
     grid = {key: _list(config, key, source) for key in GRID_KEYS if key != "datasets"}
     datasets = _datasets(config, source)
-    repeats = config.get("repeats", 1)
-    if not isinstance(repeats, int) or repeats < 1:
-        raise PolspecError(f"{source}: 'repeats' must be a whole number of at least 1")
+    repeats = _at_least_one(config.get("repeats", 1), "'repeats'", source)
     base = _params(config, source, k=2, strategy="aligned", prefix=5, seed=None)
     raw = config.get("raw", False)
     if not isinstance(raw, bool):
@@ -145,14 +143,14 @@ def _list(config: dict[str, Any], key: str, source: str) -> list:
     return values
 
 
-def _limit(value: object, where: str, source: str) -> int | None:
+def _at_least_one(value: object, where: str, source: str) -> int | None:
     if value is not None and (not is_whole_number(value) or value < 1):
         raise PolspecError(f"{source}: {where} must be a whole number of at least 1, got {value!r}")
     return value
 
 
 def _datasets(config: dict[str, Any], source: str) -> list[tuple[str, int | None]]:
-    default = _limit(config.get("limit"), "'limit'", source)
+    default = _at_least_one(config.get("limit"), "'limit'", source)
     chosen: list[tuple[str, int | None]] = []
     for entry in _list(config, "datasets", source):
         if isinstance(entry, str):
@@ -161,7 +159,7 @@ def _datasets(config: dict[str, Any], source: str) -> list[tuple[str, int | None
             unknown = sorted(set(entry) - DATASET_KEYS)
             if unknown or not isinstance(entry.get("name"), str):
                 raise PolspecError(f"{source}: a dataset entry takes a 'name' (text) and a 'limit', got {entry}")
-            limit = _limit(entry.get("limit", default), f"the 'limit' of dataset {entry['name']!r}", source)
+            limit = _at_least_one(entry.get("limit", default), f"the 'limit' of dataset {entry['name']!r}", source)
             chosen.append((entry["name"], limit))
         else:
             raise PolspecError(f"{source}: 'datasets' entries are names or {{ name = ..., limit = ... }} tables")

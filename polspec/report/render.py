@@ -19,7 +19,7 @@ def _fmt(value, pattern: str = "{:.2f}") -> str:
 def _break_even(row: Row) -> str:
     if row.break_even_acceptance is not None:
         return f"{row.break_even_acceptance:.0%}"
-    return "never" if row.predicted_speedup is not None else "-"  # a prediction was made: no a pays
+    return "never" if row.never_pays else "-"
 
 
 def _speedup(row: Row) -> str:
@@ -58,7 +58,8 @@ def markdown(report: SweepReport) -> str:
              "Rows with k auto report what the policy did (it may decode without the draft).", ""]
     if report.missing_probe:
         lines += [f"No probe on this machine for {', '.join(report.missing_probe)}: run "
-                  f"`polspec models probe {report.target} DRAFT` for the predictions.", ""]
+                  f"`polspec models probe {report.target} DRAFT` for the break-even acceptance and the "
+                  "predictions of results that recorded no probe.", ""]
     if report.cross_run_pairs:
         lines += [f"{report.cross_run_pairs} speculative results are paired with a baseline that another worker "
                   "process ran (a restart, a resumed sweep, another machine): their speedups compare runs under "

@@ -31,7 +31,8 @@ from typing import Any
 
 from sqlalchemy import Engine, func, select
 
-from polspec.decoding.costmodel import Probe, break_even_acceptance, load_probe, predicted_speedup_of_rounds
+from polspec.decoding.costmodel import (PROBE_FORMAT, Probe, break_even_acceptance, load_probe,
+                                       predicted_speedup_of_rounds)
 from polspec.errors import PolspecError
 from polspec.store.engine import session_scope
 from polspec.store.schema import Batch, Cell, Item, Result, Status
@@ -62,6 +63,7 @@ class Row:
     translation_overhead: float | None
     predicted_speedup: float | None
     break_even_acceptance: float | None
+    never_pays: bool = False  # this machine's probe says no acceptance makes the cell's k pay
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -207,7 +209,7 @@ def cell_row(key: tuple, members: list[tuple[tuple, Result]], baseline: dict[tup
         statistics.median(base_speeds) if base_speeds else None,
         speedup, low, high, joules,
         total("translate_s") / total("verify_s") if total("verify_s") else None,
-        predicted_speedup_of_cell(k, members, probe), even,
+        predicted_speedup_of_cell(k, members, probe), even, probe is not None and bool(k_used) and even is None,
     )
 
 
@@ -226,29 +228,35 @@ def _k_used(k: str, metrics: list[dict]) -> int:
 def predicted_speedup_of_cell(k: str, members: list[tuple[tuple, Result]], fallback: Probe | None) -> float | None:
     """The cost model's speedup for a cell's results, each predicted with the probe its worker
     recorded (the machine that ran it) or else ``fallback``: per probe, from the acceptance
-    measured over that probe's results, then averaged weighted by prompts. None when a result
-    has no probe either way, or a probe's results give no acceptance to predict from."""
-    by_probe: dict[str | None, list[tuple[tuple, Result]]] = defaultdict(list)
+    measured over that probe's results, then averaged weighted by the prompts each probe ran (a
+    prompt split across machines counts once per machine). None when a result has no probe
+    either way, or a probe's results speculated without a single verified candidate."""
+    by_probe: dict[str, list[tuple[tuple, Result]]] = defaultdict(list)
     for pair, result in members:
-        recorded = result.metrics.get("probe")
-        by_probe[json.dumps(recorded, sort_keys=True) if recorded else None].append((pair, result))
+        # JSON text as the key: the recorded probe is a dict, and equal dicts are one machine.
+        by_probe[json.dumps(result.metrics.get("probe"), sort_keys=True)].append((pair, result))
     weighted = []
     for recorded, group in by_probe.items():
-        probe = Probe.from_dict(json.loads(recorded)) if recorded else fallback
+        probe = _recorded_probe(json.loads(recorded)) or fallback
         metrics = [result.metrics for _, result in group]
-
-        def total(name: str) -> float:
-            return _total(metrics, name)
-
-        accepted, rejections = total("candidates_accepted"), total("rejections")
+        if not _total(metrics, "rounds"):
+            continue  # nothing decoded (the prompt ended at once): nothing to predict
+        accepted, rejections = _total(metrics, "candidates_accepted"), _total(metrics, "rejections")
+        speculative = _total(metrics, "rounds") - _total(metrics, "plain_rounds")
         k_used = _k_used(k, metrics)
-        if probe is None or not k_used or not accepted + rejections:
+        if probe is None or (speculative and not accepted + rejections):
             return None
-        ratio = total("candidates") / total("draft_tokens") if total("draft_tokens") else 1.0
-        speculative = total("rounds") - total("plain_rounds")
-        predicted = predicted_speedup_of_rounds(probe, accepted / (accepted + rejections), k_used, ratio,
-                                                speculative, total("plain_rounds"))
+        # An auto cell whose probe said no k pays ran plain target steps only: speedup 1.
+        a_hat = accepted / (accepted + rejections) if speculative else 0.0
+        drafted = _total(metrics, "draft_tokens")
+        ratio = _total(metrics, "candidates") / drafted if drafted else 1.0
+        predicted = predicted_speedup_of_rounds(probe, a_hat, max(k_used, 1), ratio, speculative,
+                                                _total(metrics, "plain_rounds"))
         weighted.append((predicted, len({_prompt(pair) for pair, _ in group})))
     if not weighted:
         return None
     return sum(value * prompts for value, prompts in weighted) / sum(prompts for _, prompts in weighted)
+
+
+def _recorded_probe(data: dict | None) -> Probe | None:
+    return Probe.from_dict(data) if data and data.get("format") == PROBE_FORMAT else None

@@ -33,7 +33,7 @@ class BatchProgress:
     counts: dict[str, int] = field(default_factory=dict)
     generated_tokens: int = 0
     generation_s: float = 0.0
-    busy_s: float = 0.0  # wall time during which some worker ran one of its items
+    busy_s: float = 0.0  # wall time during which some worker ran one of its items that ended done
 
     @property
     def total(self) -> int:
