@@ -99,24 +99,26 @@ def cpu_flags() -> frozenset[str] | None:
     return None
 
 
-def openblas_mismatch(library: Path, flags: frozenset[str] | None) -> str | None:
-    """Why ``library`` would crash on a CPU with ``flags``, or None when it can run (or cannot tell).
+def openblas_core(library: Path) -> str | None:
+    """The CPU an OpenBLAS build's kernels are for (``openblas_get_corename``), or None for a
+    library that does not say or does not load.
 
-    Reads the build's core name through a private handle: that runs the library's start-up
-    code, as loading it for MLX would, but no BLAS kernel, which is where a wrong build dies.
+    Reads it through a private handle: that runs the library's start-up code, as loading it for
+    MLX would, but no BLAS kernel, which is where a build for the wrong CPU dies.
     """
-    if flags is None:
-        return None
     try:
         corename = ctypes.CDLL(str(library)).openblas_get_corename
     except (OSError, AttributeError):
         return None
     corename.restype = ctypes.c_char_p
-    core = corename().decode().upper()
-    missing = _OPENBLAS_CORE_FLAGS.get(core, frozenset()) - flags
-    if not missing:
-        return None
-    return f"{library} is built for {core} and needs {', '.join(sorted(missing))}, which this CPU lacks"
+    return corename().decode().upper()
+
+
+def missing_cpu_flags(core: str | None, flags: frozenset[str] | None) -> list[str]:
+    """The CPU flags OpenBLAS ``core`` needs that ``flags`` lacks; none when either is unknown."""
+    if core is None or flags is None:
+        return []
+    return sorted(_OPENBLAS_CORE_FLAGS.get(core, frozenset()) - flags)
 
 
 def _preload_blas() -> BlasFix:
@@ -133,18 +135,18 @@ def _preload_blas() -> BlasFix:
     errors = []
     flags = cpu_flags()
     for path in candidates:
-        mismatch = openblas_mismatch(path, flags)
-        if mismatch:
-            if "avx512f" in mismatch:
-                mismatch += " (pip install 'polspec[cpu]' pins a cmeel-openblas that runs on AVX2)"
-            errors.append(mismatch)
+        core = openblas_core(path)
+        missing = missing_cpu_flags(core, flags)
+        if missing:
+            hint = " (pip install 'polspec[cpu]' pins a cmeel-openblas for AVX2)" if "avx512f" in missing else ""
+            errors.append(f"{path} is built for {core} and needs {', '.join(missing)}, which this CPU lacks{hint}")
             continue
         try:
             ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
         except OSError as error:
             errors.append(str(error))
             continue
-        return BlasFix(str(path), "loaded before mlx.core")
+        return BlasFix(str(path), "loaded before mlx.core" + (f", kernels for {core}" if core else ""))
     reason = "; ".join(errors)
     if "libgfortran" in reason:
         reason += " (install the system package libgfortran5)"
