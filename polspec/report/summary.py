@@ -197,7 +197,7 @@ def cell_row(key: tuple, members: list[tuple[tuple, Result]], baseline: dict[tup
     joules = (sum(energies) / total("generated_tokens")
               if energies and all(e is not None for e in energies) and total("generated_tokens") else None)
     accepted = total("candidates_accepted")
-    ratio = total("candidates") / total("draft_tokens") if total("draft_tokens") else 1.0
+    ratio = _candidates_per_draft_token(metrics)
     k_used = _k_used(k, metrics)
     even = break_even_acceptance(probe, k_used, ratio) if probe is not None and k_used else None
     return Row(
@@ -215,6 +215,12 @@ def cell_row(key: tuple, members: list[tuple[tuple, Result]], baseline: dict[tup
 
 def _total(metrics: list[dict], name: str) -> float:
     return sum(m.get(name) or 0 for m in metrics)
+
+
+def _candidates_per_draft_token(metrics: list[dict]) -> float:
+    """Target candidates per draft token: what translation makes of k (1 with no draft tokens)."""
+    drafted = _total(metrics, "draft_tokens")
+    return _total(metrics, "candidates") / drafted if drafted else 1.0
 
 
 def _k_used(k: str, metrics: list[dict]) -> int:
@@ -248,10 +254,8 @@ def predicted_speedup_of_cell(k: str, members: list[tuple[tuple, Result]], fallb
             return None
         # An auto cell whose probe said no k pays ran plain target steps only: speedup 1.
         a_hat = accepted / (accepted + rejections) if speculative else 0.0
-        drafted = _total(metrics, "draft_tokens")
-        ratio = _total(metrics, "candidates") / drafted if drafted else 1.0
-        predicted = predicted_speedup_of_rounds(probe, a_hat, max(k_used, 1), ratio, speculative,
-                                                _total(metrics, "plain_rounds"))
+        predicted = predicted_speedup_of_rounds(probe, a_hat, max(k_used, 1), _candidates_per_draft_token(metrics),
+                                                speculative, _total(metrics, "plain_rounds"))
         weighted.append((predicted, len({_prompt(pair) for pair, _ in group})))
     if not weighted:
         return None
