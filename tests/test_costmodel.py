@@ -9,7 +9,7 @@ import pytest
 from polspec.decoding import DecodingParams, generate
 from polspec.decoding.costmodel import (
     AcceptanceEstimate, Probe, best_k, break_even_acceptance, can_pay, expected_tokens, load_probe,
-    predicted_speedup, predicted_speedup_of_rounds, probe, round_cost, save_probe,
+    predicted_speedup, predicted_speedup_of_rounds, probe, probe_path, round_cost, save_probe,
 )
 from polspec.decoding.policy import EXPLORE_EVERY, DraftLength
 from polspec.decoding.run import stored_probe
@@ -79,6 +79,25 @@ def test_auto_policy_explores_while_plain_decoding_pays_best():
         ks.append(policy.k)
         policy.observe(0, 0, 0) if policy.k == 0 else policy.observe(0, 1, 1)
     assert ks.count(1) == 2 and set(ks) == {0, 1}
+
+
+@pytest.mark.parametrize("stored", [
+    '{"format": 1, "target": "t", "draft": "d", "c": 0.2, "rho": [1.0, 1.1',  # cut short mid-write
+    '{"format": 1, "target": "t", "draft": "d", "c": 0.2, "tau": 0.0}',  # no rho
+    '{"format": 1, "target": "t", "draft": "d", "c": "fast", "rho": [1.0, 1, 1, 1, 1, 1, 1, 1, 1], "tau": 0.0}',
+    '{"format": 1, "target": "t", "draft": "d", "c": 0.2, "rho": [], "tau": 0.0}',
+    '{"format": 1, "target": "t", "draft": "d", "c": 0.2, "rho": [1.0, 1.2], "tau": -0.1}',
+    "[1, 2, 3]",
+])
+def test_an_unreadable_probe_counts_as_never_measured(stored, isolated_home, caplog):
+    path = probe_path("t", "d")
+    path.parent.mkdir(parents=True)
+    path.write_text(stored)
+    assert load_probe("t", "d") is None
+    assert f"ignoring unreadable probe {path}" in caplog.text
+    remeasured = flat(0.3)
+    save_probe(remeasured)
+    assert load_probe("t", "d") == remeasured
 
 
 @pytest.mark.slow

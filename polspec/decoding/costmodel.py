@@ -23,6 +23,8 @@ picks the k with the highest predicted S each round, and plain decoding when non
 from __future__ import annotations
 
 import json
+import logging
+import math
 import platform
 import statistics
 import time
@@ -33,6 +35,8 @@ from polspec.settings import polspec_home
 
 RHO_SIZES = 9  # rho(m) is measured for m = 1..9 and extrapolated linearly beyond
 PROBE_FORMAT = 1
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -63,8 +67,17 @@ class Probe:
 
     @classmethod
     def from_dict(cls, data: dict) -> Probe:
+        """The probe ``as_dict`` wrote; ValueError when a cost is missing, not a number or negative."""
         fields = {key: value for key, value in data.items() if key != "format"}
-        return cls(**fields | {"rho": tuple(data["rho"])})
+        probe = cls(**fields | {"rho": tuple(data["rho"])})
+        costs = (probe.c, probe.tau, probe.draft_overhead, *probe.rho)
+        if not probe.rho or not all(_is_cost(value) for value in costs):
+            raise ValueError("a probe needs c, tau, draft_overhead and rho values, all numbers >= 0")
+        return probe
+
+
+def _is_cost(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
 
 
 def expected_tokens(a: float, candidates: int) -> float:
@@ -142,12 +155,21 @@ def probe_path(target: str, draft: str):
 
 
 def load_probe(target: str, draft: str) -> Probe | None:
-    """The stored probe of this pair on this machine, if one was measured."""
+    """The stored probe of this pair on this machine, if one was measured.
+
+    None as well when the file cannot be read as a probe (cut short by a crash, edited by hand):
+    a probe is a measurement, so the pair counts as never measured (``auto`` measures it again)
+    rather than failing the jobs and reports that read it.
+    """
     path = probe_path(target, draft)
     if not path.exists():
         return None
-    data = json.loads(path.read_text())
-    return Probe.from_dict(data) if data.get("format") == PROBE_FORMAT else None
+    try:
+        data = json.loads(path.read_text())
+        return Probe.from_dict(data) if data.get("format") == PROBE_FORMAT else None
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as error:
+        log.warning("ignoring unreadable probe %s (%s: %s); treated as never measured", path, type(error).__name__, error)
+        return None
 
 
 def save_probe(probe: Probe) -> None:
