@@ -123,48 +123,72 @@ def chi_square_critical(df: int, z: float = 3.09) -> float:
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
-def homogeneity_statistic(a: Counter, b: Counter, minimum: int = 8) -> tuple[float, int]:
-    """Two-sample chi-square over tokens seen at least ``minimum`` times in total, rest pooled."""
-    tokens = sorted(t for t in set(a) | set(b) if a[t] + b[t] >= minimum)
-    rows = [(a[t], b[t]) for t in tokens]
-    rest = (sum(a.values()) - sum(r[0] for r in rows), sum(b.values()) - sum(r[1] for r in rows))
-    if sum(rest):
-        rows.append(rest)
-    n_a, n_b = sum(a.values()), sum(b.values())
-    statistic = 0.0
-    for count_a, count_b in rows:
-        total = count_a + count_b
-        for count, n in ((count_a, n_a), (count_b, n_b)):
-            expected = total * n / (n_a + n_b)
-            statistic += (count - expected) ** 2 / expected
-    return statistic, len(rows) - 1
+SAMPLED_PROMPT = "Wisła to najdłuższa rzeka"  # a next-token distribution with a few likely tokens
+
+
+def next_token_probabilities(model, ids: list[int], temperature: float) -> np.ndarray:
+    logits = np.array(model.model(mx.array([ids]))[0, -1], dtype=np.float64) / temperature
+    weights = np.exp(logits - logits.max())
+    return weights / weights.sum()
+
+
+def two_token_bins(model, prompt: str, temperature: float, samples: int) -> dict[tuple, float]:
+    """Exact probabilities of the first two sampled tokens, from the target's own logits, in bins
+    that ``samples`` draws fill at least 5 times on average: ``(t0, t1)`` for a likely pair,
+    ``(t0, None)`` for a likely first token followed by any other. The chi-square test pools the
+    sequences of no bin into one whose probability is the rest of the mass.
+    """
+    ids = encode_prompt(model, prompt, chat=False)
+    first = next_token_probabilities(model, ids, temperature)
+    eos = set(model.tokenizer.eos_token_ids)
+    bins: dict[tuple, float] = {}
+    for t0 in map(int, np.flatnonzero(first * samples >= 5)):
+        if t0 in eos:  # generation stops after it: a one-token sequence
+            bins[(t0,)] = float(first[t0])
+            continue
+        joint = first[t0] * next_token_probabilities(model, ids + [t0], temperature)
+        pairs = {(t0, int(t1)): float(joint[t1]) for t1 in np.flatnonzero(joint * samples >= 5)}
+        other = float(first[t0]) - sum(pairs.values())
+        bins |= pairs | ({(t0, None): other} if other * samples >= 5 else {})
+    return bins
+
+
+def goodness_of_fit(sequences: list[list[int]], bins: dict[tuple, float]) -> tuple[float, int]:
+    """Chi-square statistic and degrees of freedom of sampled sequences against exact bin probabilities."""
+    def bin_of(ids: list[int]) -> tuple | None:
+        for key in (tuple(ids), (ids[0], None)):
+            if key in bins:
+                return key
+        return None
+
+    n = len(sequences)
+    observed = Counter(bin_of(ids) for ids in sequences)
+    cells = [(observed[key], n * p) for key, p in bins.items()]
+    rest = (observed[None], n * (1 - sum(bins.values())))
+    if rest[1] > 1e-9:
+        cells.append(rest)
+    return sum((o - e) ** 2 / e for o, e in cells), len(cells) - 1
 
 
 def test_sampling_keeps_the_target_distribution(gemma3, smollm2):
+    """Speculative samples of two tokens follow the target's exact joint distribution."""
     samples = 80
-    params = dict(max_tokens=2, temperature=1.0, k=2)
-    prompt = "Wisła to najdłuższa rzeka"  # a next-token distribution with a few likely tokens
-    baseline = [generate(gemma3, None, prompt, DecodingParams(seed=s, **params), chat=False).token_ids
-                for s in range(samples)]
-    speculative = [generate(gemma3, smollm2, prompt, DecodingParams(seed=10_000 + s, **params), chat=False).token_ids
-                   for s in range(samples)]
-    for position in (0, 1):
-        a = Counter(ids[position] for ids in baseline if len(ids) > position)
-        b = Counter(ids[position] for ids in speculative if len(ids) > position)
-        statistic, df = homogeneity_statistic(a, b)
-        assert df >= 2, "too few distinct tokens to test the distribution"
-        assert statistic < chi_square_critical(df), (position, statistic, df, a.most_common(5), b.most_common(5))
+    bins = two_token_bins(gemma3, SAMPLED_PROMPT, 1.0, samples)
+    speculative = [generate(gemma3, smollm2, SAMPLED_PROMPT, DecodingParams(seed=s, max_tokens=2, temperature=1.0, k=2),
+                            chat=False).token_ids for s in range(samples)]
+    statistic, df = goodness_of_fit(speculative, bins)
+    assert df >= 3, f"too few likely sequences to test the distribution: {bins}"
+    assert statistic < chi_square_critical(df), (statistic, df, Counter(map(tuple, speculative)).most_common(5))
 
 
 def test_the_chi_square_check_detects_a_different_distribution(gemma3):
-    """The distribution test can fail: greedy-ish sampling differs from temperature 1."""
-    prompt = "Wisła to najdłuższa rzeka"
-    hot = [generate(gemma3, None, prompt, DecodingParams(max_tokens=1, temperature=1.0, seed=s), chat=False).token_ids[0]
-           for s in range(50)]
-    cold = [generate(gemma3, None, prompt, DecodingParams(max_tokens=1, temperature=0.5, seed=s), chat=False).token_ids[0]
-            for s in range(50)]
-    statistic, df = homogeneity_statistic(Counter(hot), Counter(cold))
-    assert statistic > chi_square_critical(df)
+    """The distribution test can fail: samples at temperature 0.5 against the exact temperature-1 joint."""
+    samples = 50
+    bins = two_token_bins(gemma3, SAMPLED_PROMPT, 1.0, samples)
+    cold = [generate(gemma3, None, SAMPLED_PROMPT, DecodingParams(seed=s, max_tokens=2, temperature=0.5), chat=False).token_ids
+            for s in range(samples)]
+    statistic, df = goodness_of_fit(cold, bins)
+    assert statistic > chi_square_critical(df), (statistic, df)
 
 
 @pytest.mark.parametrize("kwargs, message", [
