@@ -57,13 +57,17 @@ def baseline():
     return ids
 
 
+def last_logits(model, ids: list[int]) -> np.ndarray:
+    """The model's logits for the token after ``ids``, from one forward without a cache."""
+    return np.array(model.model(mx.array([ids]))[0, -1])
+
+
 def assert_same_or_float_tie(target, prompt: str, expected: list[int], actual: list[int]) -> None:
     """Equal ids, or the first difference is a float tie in the target's own logits (shown, not assumed)."""
     if actual == expected:
         return
     index = next(i for i, (a, b) in enumerate(zip(actual, expected)) if a != b)
-    ids = encode_prompt(target, prompt, chat=False) + expected[:index]
-    logits = np.sort(np.array(target.model(mx.array([ids]))[0, -1]))
+    logits = np.sort(last_logits(target, encode_prompt(target, prompt, chat=False) + expected[:index]))
     gap = float(logits[-1] - logits[-2])
     assert gap < TIE, f"{prompt!r}: token {index} differs ({actual[index]} vs {expected[index]}) with a logit gap of {gap}"
 
@@ -127,7 +131,7 @@ SAMPLED_PROMPT = "Wisła to najdłuższa rzeka"  # a next-token distribution wit
 
 
 def next_token_probabilities(model, ids: list[int], temperature: float) -> np.ndarray:
-    logits = np.array(model.model(mx.array([ids]))[0, -1], dtype=np.float64) / temperature
+    logits = last_logits(model, ids).astype(np.float64) / temperature
     weights = np.exp(logits - logits.max())
     return weights / weights.sum()
 
@@ -148,8 +152,10 @@ def two_token_bins(model, prompt: str, temperature: float, samples: int) -> dict
             continue
         joint = first[t0] * next_token_probabilities(model, ids + [t0], temperature)
         pairs = {(t0, int(t1)): float(joint[t1]) for t1 in np.flatnonzero(joint * samples >= 5)}
+        bins |= pairs
         other = float(first[t0]) - sum(pairs.values())
-        bins |= pairs | ({(t0, None): other} if other * samples >= 5 else {})
+        if other * samples >= 5:
+            bins[(t0, None)] = other
     return bins
 
 
