@@ -35,8 +35,19 @@ from polspec.settings import polspec_home
 
 RHO_SIZES = 9  # rho(m) is measured for m = 1..9 and extrapolated linearly beyond
 PROBE_FORMAT = 1
+BATCH_SIZES = (1, 2, 4, 8, 16)  # sequences per forward in the probe's batch table
+BATCH_POSITIONS = (1, 2, 3, 5, 9)  # positions per sequence measured at each batch size
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BatchCost:
+    """Forward times over ``size`` sequences at once, in seconds, with a context cached."""
+
+    size: int
+    target_s: tuple[float, ...]  # the target over m positions per sequence, m in BATCH_POSITIONS
+    draft_s: float  # the draft over one position per sequence
 
 
 @dataclass(frozen=True)
@@ -52,6 +63,28 @@ class Probe:
     target_step_s: float = 0.0
     draft_step_s: float = 0.0
     machine: dict[str, str] = field(default_factory=dict)
+    batch: tuple[BatchCost, ...] = ()  # the batch table; empty in probes measured before it existed
+
+    def at_batch(self, size: int) -> Probe:
+        """The costs of a round over ``size`` sequences, in steps of a plain batched step of that size.
+
+        The batch table is interpolated linearly between measured sizes (extrapolated beyond the
+        largest). Translation runs once per sequence, so tau grows with ``size``; the draft's
+        per-round work ``d`` is taken as the same time at every size. Without a batch table
+        (or at size 1) the probe itself.
+        """
+        if size < 1:
+            raise ValueError(f"a batch holds at least one sequence, got {size}")
+        if size == 1 or not self.batch:
+            return self
+        target = [_interpolate([(b.size, b.target_s[i]) for b in self.batch], size) for i in range(len(BATCH_POSITIONS))]
+        step = target[0]
+        rho = tuple(_interpolate(list(zip(BATCH_POSITIONS, target)), m) / step for m in range(1, RHO_SIZES + 1))
+        draft = _interpolate([(b.size, b.draft_s) for b in self.batch], size)
+        seconds = self.target_step_s
+        return Probe(self.target, self.draft, c=draft / step, rho=rho, tau=self.tau * seconds * size / step,
+                     draft_overhead=self.draft_overhead * seconds / step, target_step_s=step, draft_step_s=draft,
+                     machine=self.machine)
 
     def rho_at(self, m: int) -> float:
         """rho(m), extrapolated linearly from the last two measured sizes beyond them."""
@@ -63,17 +96,33 @@ class Probe:
         return self.rho[-1] + slope * (m - len(self.rho))
 
     def as_dict(self) -> dict:
-        return asdict(self) | {"rho": list(self.rho), "format": PROBE_FORMAT}
+        return asdict(self) | {"rho": list(self.rho), "format": PROBE_FORMAT,
+                               "batch": [asdict(b) | {"target_s": list(b.target_s)} for b in self.batch]}
 
     @classmethod
     def from_dict(cls, data: dict) -> Probe:
         """The probe ``as_dict`` wrote; ValueError when a cost is missing, not a number or negative."""
         fields = {key: value for key, value in data.items() if key != "format"}
-        probe = cls(**fields | {"rho": tuple(data["rho"])})
+        batch = tuple(BatchCost(b["size"], tuple(b["target_s"]), b["draft_s"]) for b in data.get("batch", ()))
+        probe = cls(**fields | {"rho": tuple(data["rho"]), "batch": batch})
+        if any(len(b.target_s) != len(BATCH_POSITIONS) or not isinstance(b.size, int) or b.size < 1
+               or not all(_is_cost(value) and value > 0 for value in (*b.target_s, b.draft_s)) for b in batch):
+            raise ValueError(f"a probe's batch table needs a size and {len(BATCH_POSITIONS)} target times and a draft time > 0")
         costs = (probe.c, probe.tau, probe.draft_overhead, *probe.rho)
         if not probe.rho or not all(_is_cost(value) for value in costs):
             raise ValueError("a probe needs c, tau, draft_overhead and rho values, all numbers >= 0")
         return probe
+
+
+def _interpolate(points: list[tuple[int, float]], x: int) -> float:
+    """y at ``x`` on the polyline through ``points`` (sorted by x), extended linearly past both ends."""
+    points = sorted(points)
+    if len(points) == 1:
+        return points[0][1]
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x <= x1 or (x1, y1) == points[-1]:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    raise AssertionError("unreachable")
 
 
 def _is_cost(value) -> bool:
@@ -180,12 +229,15 @@ def save_probe(probe: Probe) -> None:
     temporary.replace(path)
 
 
-def probe(target, draft, repeats: int = 9, context: int = 64) -> Probe:
-    """Measure c, rho(1..9) and tau for two loaded models on this machine (tens of seconds).
+def probe(target, draft, repeats: int = 9, context: int = 64, batch_sizes: tuple[int, ...] = BATCH_SIZES) -> Probe:
+    """Measure c, d, rho(1..9), tau and the batch table for two loaded models on this machine.
 
     Forward times are medians over ``repeats`` with ``context`` tokens already cached, the
-    way decoding runs, every size timed in turn within a repeat; tau is the median time of an ``aligned`` translation of a k=4 draft
-    chunk of Polish text, over the target step.
+    way decoding runs, every size timed in turn within a repeat; tau is the median time of an
+    ``aligned`` translation of a k=4 draft chunk of Polish text, over the target step. The
+    batch table times target forwards over B sequences x m positions (m in
+    ``BATCH_POSITIONS``) and a draft step over B sequences for every B in ``batch_sizes``
+    (a third of ``repeats``, at least 3: the large shapes dominate the probe's time).
     """
     from polspec.backend import setup
     from polspec.decoding.translate import token_bytes, translate_draft_to_target
@@ -207,8 +259,12 @@ def probe(target, draft, repeats: int = 9, context: int = 64) -> Probe:
         translate_draft_to_target("aligned", draft_table, target_table, draft_ids[start:start + 4],
                                   target_ids[: max(1, start)], 5, 10)
         times.append(time.perf_counter() - clock)
+    batch_repeats = max(3, repeats // 3)
+    batch = tuple(BatchCost(size, tuple(_batch_forward_times(target, size, BATCH_POSITIONS, batch_repeats, context)),
+                            _batch_forward_times(draft, size, [1], batch_repeats, context)[0])
+                  for size in batch_sizes)
     chosen = setup()
-    return Probe(target.entry.alias, draft.entry.alias, c=draft_step / step,
+    return Probe(target.entry.alias, draft.entry.alias, c=draft_step / step, batch=batch,
                  rho=tuple(t / step for t in target_times), tau=statistics.median(times) / step,
                  draft_overhead=max(0.0, _draft_round_time(draft, draft_ids, repeats) - draft_step) / step,
                  target_step_s=step, draft_step_s=draft_step,
@@ -265,6 +321,29 @@ def _forward_times(loaded, sizes, repeats: int, context: int) -> list[float]:
             if round_:
                 times[index].append(time.perf_counter() - clock)
             trim(caches[index], m)
+    return [statistics.median(values) for values in times]
+
+
+def _batch_forward_times(loaded, size: int, positions, repeats: int, context: int) -> list[float]:
+    """Median time of a forward over ``size`` sequences x m positions for each m in ``positions``,
+    through the batched decoder's ragged cache, ``context`` tokens cached per sequence."""
+    import mlx.core as mx
+
+    from polspec.decoding import batch_kv
+
+    layers = batch_kv.check_batchable(loaded.model, loaded.entry.alias)
+    positions = list(positions)
+    caches = [batch_kv.join(None, [batch_kv.prefill_one(loaded.model, layers, list(range(1, context + 1)))
+                                   for _ in range(size)]) for _ in positions]
+    inputs = [mx.array([list(range(2, m + 2))] * size) for m in positions]
+    times: list[list[float]] = [[] for _ in positions]
+    for round_ in range(repeats + 1):  # the first round warms each shape up and is not kept
+        for index, m in enumerate(positions):
+            clock = time.perf_counter()
+            mx.eval(loaded.model(inputs[index], cache=caches[index]))
+            if round_:
+                times[index].append(time.perf_counter() - clock)
+            batch_kv.trim_each(caches[index], [m] * size)
     return [statistics.median(values) for values in times]
 
 

@@ -32,6 +32,7 @@ class DecodeMetrics:
     resync_s: float = 0.0
     decode_s: float = 0.0
     peak_memory_gb: float = 0.0
+    batch_size: float = 1.0  # sequences decoded together, averaged over this sequence's rounds
     finish_reason: str = ""
     k_policy_note: str = ""  # what the auto draft length decided, when it decided for the whole generation
 

@@ -7,8 +7,6 @@ from dataclasses import dataclass, field
 
 from polspec import backend  # noqa: F401  (before mlx: the Linux BLAS fix)
 
-import mlx.core as mx
-
 from polspec.decoding.autoregressive import generate_autoregressive
 from polspec.decoding.commit import Commit
 from polspec.decoding.costmodel import Probe, acceptance_estimate, can_pay, load_probe, save_probe
@@ -16,12 +14,9 @@ from polspec.decoding.costmodel import probe as measure_probe
 from polspec.decoding.metrics import DecodeMetrics
 from polspec.decoding.params import DecodingParams
 from polspec.decoding.policy import DraftLength
+from polspec.decoding.prompts import Prompt, encode_prompt, encode_request  # noqa: F401  (encode_prompt: part of this API)
 from polspec.decoding.speculative import generate_speculative
-from polspec.errors import PolspecError
 from polspec.models.loader import LoadedModel
-
-Prompt = str | list[dict]
-
 
 @dataclass
 class GenerationResult:
@@ -31,33 +26,6 @@ class GenerationResult:
     token_ids: list[int]
     spans: list[tuple[str, bool]] = field(default_factory=list)  # (text, accepted from the draft)
     metrics: DecodeMetrics = field(default_factory=DecodeMetrics)
-
-
-def has_chat_template(model: LoadedModel) -> bool:
-    return bool(getattr(model.tokenizer, "chat_template", None))
-
-
-def encode_prompt(model: LoadedModel, prompt: Prompt, chat: bool) -> list[int]:
-    """The model's own prompt ids: its chat template applied to the messages, or the raw text.
-
-    Each model renders the request with its own template, so the draft never sees the
-    target's special tokens as text.
-    """
-    alias = model.entry.alias
-    if chat:
-        if not has_chat_template(model):
-            raise PolspecError(f"{alias} has no chat template; run in raw mode (--raw) or choose another model")
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                   for m in messages):
-            raise PolspecError("messages must be objects with a string 'role' and a string 'content'")
-        try:
-            return list(model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
-        except Exception as error:  # the template's own checks (role order, ...) raise jinja errors
-            raise PolspecError(f"{alias}'s chat template refused the messages: {error}") from None
-    if not isinstance(prompt, str):
-        raise PolspecError("raw mode continues a text; messages need chat mode")
-    return model.tokenizer.encode(prompt)
 
 
 def stream(
@@ -73,20 +41,7 @@ def stream(
     ``chat=None`` uses the chat template when the target has one. ``metrics`` is filled
     in as decoding goes.
     """
-    text = prompt if isinstance(prompt, str) else " ".join(
-        m["content"] for m in prompt if isinstance(m, dict) and isinstance(m.get("content"), str))
-    if not text.strip():
-        raise PolspecError("the prompt is empty")
-    chat = has_chat_template(target) if chat is None else chat
-    target_ids = encode_prompt(target, prompt, chat)
-    limit = target.context_length
-    if limit and len(target_ids) + params.max_tokens > limit:
-        raise PolspecError(
-            f"the prompt has {len(target_ids)} tokens and {params.max_tokens} more were asked for, "
-            f"but {target.entry.alias} takes at most {limit}"
-        )
-    if params.seed is not None:
-        mx.random.seed(params.seed)
+    target_ids, draft_ids = encode_request(target, draft, prompt, params, chat)
     policy = None
     if draft is not None and params.k == "auto":
         policy = auto_draft_length(target, draft, params)
@@ -95,7 +50,6 @@ def stream(
             draft = None
     if draft is None:
         return generate_autoregressive(target, target_ids, params, metrics)
-    draft_ids = encode_prompt(draft, prompt, chat)
     return generate_speculative(target, draft, target_ids, draft_ids, params, metrics, policy)
 
 

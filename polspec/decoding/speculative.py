@@ -46,31 +46,88 @@ def same_tokenizer(target: LoadedModel, draft: LoadedModel) -> bool:
     return target.entry.tokenizer_family == draft.entry.tokenizer_family
 
 
-class _DraftSide:
-    """The draft's token sequence and cache, kept in step with the committed text."""
+def translation_tables(target: LoadedModel, draft: LoadedModel) -> tuple[TokenBytes, TokenBytes] | None:
+    """(draft, target) raw-byte tables of a cross-tokenizer pair; None when the two share a tokenizer."""
+    if same_tokenizer(target, draft):
+        return None
+    return token_bytes(_hf(draft)), token_bytes(_hf(target))
 
-    def __init__(self, draft: LoadedModel, prompt: list[int], longest: int, table: TokenBytes | None):
-        self.model = draft.model
+
+def translate_proposal(
+    params: DecodingParams,
+    tables: tuple[TokenBytes, TokenBytes] | None,
+    proposal: list[int],
+    context: list[int],
+    lag: bytes,
+    metrics: DecodeMetrics,
+) -> list[int]:
+    """The target candidates for a draft ``proposal`` (capped; none for an empty proposal).
+
+    ``context`` ends with the committed target ids, ``lag`` are committed bytes the draft
+    has not seen; ``metrics`` counts boundary misses.
+    """
+    if not proposal:
+        return []
+    if tables is None:
+        return proposal[: params.candidate_cap]
+    translation = translate_draft_to_target(params.strategy, tables[0], tables[1], proposal, context, params.prefix,
+                                            params.candidate_cap, lag, params.partial_word)
+    metrics.boundary_misses += translation.boundary_miss
+    return translation.candidates
+
+
+class DraftText:
+    """The draft's token sequence, kept in step with the committed text (the cache is the caller's).
+
+    ``sequence`` is what the draft's cache should hold plus the tokens still to feed, and
+    ``fed`` how many of ``sequence`` are in the cache.
+    """
+
+    def __init__(self, prompt: list[int], table: TokenBytes | None, fed: int = 0):
         self.table = table
-        self.cache = new_cache(draft.model, draft.entry.alias, longest)
         self.prompt = prompt
         self.generated: list[int] = []  # draft ids of the committed text
         self.lag = b""  # committed bytes not yet given to the draft (an incomplete character)
-        self.sequence = list(prompt)  # what the cache should hold, plus tokens still to feed
+        self.sequence = list(prompt)
+        self.fed = fed
+
+    def resync(self, committed: list[int], committed_bytes: bytes) -> int:
+        """Follow the target: re-tokenize the new text; returns how many cached entries stay valid.
+
+        The caller trims the draft's cache to that length; the rest of ``sequence`` is fed
+        with the next proposal.
+        """
+        if self.table is None:
+            self.generated = list(committed)
+        else:
+            self.generated, self.lag = follow_text(self.table, self.generated, self.lag, committed_bytes)
+        wanted = self.prompt + self.generated
+        common = min(common_prefix(self.sequence[: self.fed], wanted), len(wanted) - 1)
+        self.sequence, self.fed = wanted, common
+        return common
+
+
+class _DraftSide:
+    """The draft's :class:`DraftText` and its single-sequence cache."""
+
+    def __init__(self, draft: LoadedModel, prompt: list[int], longest: int, table: TokenBytes | None):
+        self.model = draft.model
+        self.cache = new_cache(draft.model, draft.entry.alias, longest)
         # The prompt is fed on the first proposal, not here: when the auto draft length starts
         # with plain target steps, a draft that never proposes costs nothing.
-        self.fed = 0  # how many of `sequence` are in the cache
+        self.text = DraftText(prompt, table)
 
     def propose(self, k: int, policy: DraftLength) -> list[int]:
         """Up to ``k`` greedy draft tokens; the last one is not fed to the cache."""
         if k == 0:
             return []
-        if len(self.sequence) - self.fed > PREFILL_STEP:  # the prompt, in prefill-sized chunks
-            prefill(self.model, self.cache, self.sequence[self.fed:-1])
-            self.fed = len(self.sequence) - 1
+        text = self.text
+        if len(text.sequence) - text.fed > PREFILL_STEP:  # the prompt, in prefill-sized chunks
+            prefill(self.model, self.cache, text.sequence[text.fed:-1])
+            text.fed = len(text.sequence) - 1
         # The text committed since the last round goes in with the first draft step: one
         # forward and no host sync of its own.
-        inputs = mx.array([self.sequence[self.fed:]])
+        inputs = mx.array([text.sequence[text.fed:]])
         proposal = []
         for step in range(k):
             logits = self.model(inputs, cache=self.cache)[0, -1]
@@ -81,20 +138,13 @@ class _DraftSide:
             inputs = token.reshape(1, 1)
         mx.eval(proposal)
         ids = [int(t.item()) for t in proposal]
-        self.sequence = self.sequence + ids
-        self.fed = cached_length(self.cache)
+        text.sequence = text.sequence + ids
+        text.fed = cached_length(self.cache)
         return ids
 
     def resync(self, committed: list[int], committed_bytes: bytes) -> None:
-        """Follow the target: re-tokenize the new text, trim the cache to the common prefix."""
-        if self.table is None:
-            self.generated = list(committed)
-        else:
-            self.generated, self.lag = follow_text(self.table, self.generated, self.lag, committed_bytes)
-        wanted = self.prompt + self.generated
-        common = min(common_prefix(self.sequence[: self.fed], wanted), len(wanted) - 1)
-        trim(self.cache, self.fed - common)
-        self.sequence, self.fed = wanted, common
+        fed = self.text.fed
+        trim(self.cache, fed - self.text.resync(committed, committed_bytes))
 
 
 def generate_speculative(
@@ -113,9 +163,8 @@ def generate_speculative(
     """
     sample = token_sampler(params)
     eos = set(target.tokenizer.eos_token_ids)
-    translate = not same_tokenizer(target, draft)
-    target_table = token_bytes(_hf(target)) if translate else None
-    draft_table = token_bytes(_hf(draft)) if translate else None
+    tables = translation_tables(target, draft)
+    target_table = tables[1] if tables else None
     policy = policy or DraftLength(params)
     cap = params.candidate_cap
     metrics.prompt_tokens = len(target_prompt)
@@ -123,7 +172,7 @@ def generate_speculative(
     start = time.perf_counter()
     target_cache = new_cache(target.model, target.entry.alias, len(target_prompt) + params.max_tokens + cap + 1)
     prefill(target.model, target_cache, target_prompt[:-1])
-    draft_side = _DraftSide(draft, draft_prompt, len(draft_prompt) + 2 * params.max_tokens + cap, draft_table)
+    draft_side = _DraftSide(draft, draft_prompt, len(draft_prompt) + 2 * params.max_tokens + cap, tables and tables[0])
     metrics.prefill_s = time.perf_counter() - start
 
     committed: list[int] = []
@@ -136,19 +185,9 @@ def generate_speculative(
         metrics.draft_s += now - clock
 
         clock = now
-        if not proposal:
-            candidates = []
-            metrics.plain_rounds += 1
-        elif translate:
-            translation = translate_draft_to_target(
-                params.strategy, draft_table, target_table, proposal,
-                target_prompt[-params.prefix - 8:] + committed, params.prefix, cap, draft_side.lag,
-                params.partial_word,
-            )
-            candidates = translation.candidates
-            metrics.boundary_misses += translation.boundary_miss
-        else:
-            candidates = proposal[:cap]
+        metrics.plain_rounds += not proposal
+        candidates = translate_proposal(params, tables, proposal, target_prompt[-params.prefix - 8:] + committed,
+                                        draft_side.text.lag, metrics)
         candidates = candidates[: params.max_tokens - len(committed)]
         now = time.perf_counter()
         metrics.translate_s += now - clock
@@ -156,44 +195,67 @@ def generate_speculative(
         clock = now
         logits = target.model(mx.array([[pending] + candidates]), cache=target_cache)[0]
         choices = sample(logits).tolist()
-        accepted = 0
-        while accepted < len(candidates) and choices[accepted] == candidates[accepted]:
-            accepted += 1
+        new, accepted, stopped = settle_round(candidates, choices, proposal, len(committed), params, eos, metrics,
+                                              policy, tables)
         trim(target_cache, len(candidates) - accepted)
-        new = candidates[:accepted] + [choices[accepted]]
         now = time.perf_counter()
         metrics.verify_s += now - clock
 
-        new = new[: params.max_tokens - len(committed)]
-        stop = next((i for i, token in enumerate(new) if token in eos), None)
-        if stop is not None:
-            new = new[:stop]
-        metrics.rounds += 1
-        metrics.draft_tokens += len(proposal)
-        metrics.candidates += len(candidates)
-        metrics.rejections += accepted < len(candidates)
-        metrics.candidates_accepted += min(accepted, len(new))
-        metrics.draft_tokens_accepted += _draft_tokens_inside(
-            draft_table, proposal, target_table, new[: min(accepted, len(new))]
-        ) if translate else min(accepted, len(new))
-        policy.observe(accepted, len(candidates), len(proposal))
         committed += new
         pending = new[-1] if new else pending
         metrics.generated_tokens = len(committed)
-        finished = stop is not None or len(committed) >= params.max_tokens
+        finished = stopped or len(committed) >= params.max_tokens
         if not finished:
             clock = time.perf_counter()
-            draft_side.resync(committed, target_table.text(new) if translate else b"")
+            draft_side.resync(committed, target_table.text(new) if tables else b"")
             metrics.resync_s += time.perf_counter() - clock
         if new:
-            state = RoundState(cached_length(target_cache), cached_length(draft_side.cache), draft_side.fed,
-                               list(draft_side.generated), draft_side.lag)
+            state = RoundState(cached_length(target_cache), cached_length(draft_side.cache), draft_side.text.fed,
+                               list(draft_side.text.generated), draft_side.text.lag)
             yield Commit(new, drafted=min(accepted, len(new)), state=state)
         if finished:
-            metrics.finish_reason = "stop" if stop is not None else "length"
+            metrics.finish_reason = "stop" if stopped else "length"
             break
     metrics.decode_s = metrics.draft_s + metrics.translate_s + metrics.verify_s + metrics.resync_s
     metrics.peak_memory_gb = mx.get_peak_memory() / 1e9
+
+
+def settle_round(
+    candidates: list[int],
+    choices: list[int],
+    proposal: list[int],
+    committed: int,
+    params: DecodingParams,
+    eos: set[int],
+    metrics: DecodeMetrics,
+    policy: DraftLength,
+    tables: tuple[TokenBytes, TokenBytes] | None,
+) -> tuple[list[int], int, bool]:
+    """Accept candidates against the target's ``choices``; returns (new tokens, accepted, stopped).
+
+    Candidates are accepted while they equal the target's choice at their position, then the
+    target's choice at the first mismatch is committed too; the round stops at EOS and at
+    ``params.max_tokens`` (``committed`` tokens are already in). ``metrics`` and ``policy``
+    learn the round; ``tables`` (draft, target) count the accepted draft tokens of a
+    cross-tokenizer pair.
+    """
+    accepted = 0
+    while accepted < len(candidates) and choices[accepted] == candidates[accepted]:
+        accepted += 1
+    new = (candidates[:accepted] + [choices[accepted]])[: params.max_tokens - committed]
+    stop = next((i for i, token in enumerate(new) if token in eos), None)
+    if stop is not None:
+        new = new[:stop]
+    inside = min(accepted, len(new))
+    metrics.rounds += 1
+    metrics.draft_tokens += len(proposal)
+    metrics.candidates += len(candidates)
+    metrics.rejections += accepted < len(candidates)
+    metrics.candidates_accepted += inside
+    metrics.draft_tokens_accepted += (
+        _draft_tokens_inside(tables[0], proposal, tables[1], new[:inside]) if tables is not None else inside)
+    policy.observe(accepted, len(candidates), len(proposal))
+    return new, accepted, stop is not None
 
 
 def _draft_tokens_inside(draft: TokenBytes, proposal: list[int], target: TokenBytes, accepted: list[int]) -> int:

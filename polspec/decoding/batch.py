@@ -1,0 +1,399 @@
+"""Batched decoding: many sequences share every forward, target-only or speculative.
+
+    decoder = BatchDecoder(target, draft, max_batch=8)
+    decoder.add("q1", "Kraków jest", DecodingParams(k=2))
+    while decoder:
+        for event in decoder.step():
+            ...  # event.key, event.commit (tokens this round), event.finished, event.metrics
+
+On bandwidth-bound hardware one forward over B sequences costs little more than over one,
+so a round runs every sequence at once: one batched draft forward per draft step, one
+batched target forward for verification (or for a plain step). Each sequence keeps its own
+prompt length, parameters, draft length, acceptance and KV length: the caches are ragged
+(:mod:`polspec.decoding.batch_kv`), rows are trimmed one by one after verification.
+
+Continuous batching: :meth:`BatchDecoder.add` queues a sequence, which is prefilled and joins
+at the start of the next round while a slot is free; a finished (or :meth:`removed
+<BatchDecoder.remove>`) sequence leaves at the end of its round and frees its slot.
+
+Lossless per sequence, as the single-sequence decoders: every committed token is the
+target's own choice at its position (greedy, or sampled with the sequence's own sampler and
+seed), so a sequence's output does not depend on what else the batch holds, up to float
+rounding of batched matrix products (ties, shown by the tests).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Hashable, Iterator
+from dataclasses import dataclass, field
+
+from polspec import backend  # noqa: F401  (before mlx: the Linux BLAS fix)
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from polspec.decoding import batch_kv
+from polspec.decoding.commit import Commit
+from polspec.decoding.costmodel import Probe, acceptance_estimate, can_pay
+from polspec.decoding.metrics import DecodeMetrics
+from polspec.decoding.params import DecodingParams
+from polspec.decoding.policy import DraftLength
+from polspec.decoding.prompts import Prompt, encode_request
+from polspec.decoding.sampling import token_sampler
+from polspec.decoding.speculative import DraftText, settle_round, translate_proposal, translation_tables
+from polspec.errors import PolspecError
+from polspec.models.loader import LoadedModel
+
+# Memory a batch may plan to use, as a share of what is free when the decoder starts: the
+# rest is left for activations, the allocator's cache and other processes.
+MEMORY_SHARE = 0.7
+
+
+@dataclass
+class SequenceEvent:
+    """What one round did for one sequence."""
+
+    key: Hashable
+    commit: Commit | None  # the tokens committed this round; None when the round added none (EOS)
+    finished: bool
+    metrics: DecodeMetrics  # the sequence's own metrics so far
+
+
+@dataclass
+class _Sequence:
+    key: Hashable
+    params: DecodingParams
+    prompt: list[int]
+    metrics: DecodeMetrics
+    policy: DraftLength | None  # None: target-only
+    draft_text: DraftText | None
+    draft_prompt: list[int] | None
+    sample: object = None
+    eos: set[int] = field(default_factory=set)
+    committed: list[int] = field(default_factory=list)
+    pending: int = 0
+    draft_cached: int = 0  # entries of this row in the draft cache, valid or not
+
+
+class BatchDecoder:
+    """A long-lived decoder that sequences join and leave between rounds.
+
+    ``draft=None`` decodes target-only; with a draft every sequence is speculative with its
+    own ``params.k`` policy (``auto`` chooses k from ``probe`` viewed at the batch size of
+    each round, and decodes a sequence without the draft where no k can pay at that size).
+    ``max_batch`` caps how many sequences decode together (default: what memory holds
+    for ``longest`` tokens a sequence, see :func:`max_batch_size`).
+    """
+
+    def __init__(self, target: LoadedModel, draft: LoadedModel | None = None, max_batch: int | None = None,
+                 probe: Probe | None = None, longest: int = 1024):
+        self.target, self.draft, self.probe = target, draft, probe
+        self.target_layers = batch_kv.check_batchable(target.model, target.entry.alias)
+        self.draft_layers = batch_kv.check_batchable(draft.model, draft.entry.alias) if draft else 0
+        self.tables = translation_tables(target, draft) if draft else None
+        self.max_batch = max_batch if max_batch is not None else max_batch_size(target, draft, longest)
+        if self.max_batch < 1:
+            raise PolspecError(f"max_batch must be at least 1, got {self.max_batch}")
+        self.waiting: list[_Sequence] = []
+        self.rows: list[_Sequence] = []
+        self.target_cache: list | None = None
+        self.draft_cache: list | None = None
+        self._removed: set[Hashable] = set()
+
+    def __bool__(self) -> bool:
+        return bool(self.rows or self.waiting)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def add(self, key: Hashable, prompt: Prompt, params: DecodingParams, chat: bool | None = None) -> None:
+        """Queue a sequence to join at the next round; a request that cannot run raises PolspecError now."""
+        if any(s.key == key for s in self.rows + self.waiting):
+            raise PolspecError(f"a sequence {key!r} is already in this batch")
+        target_ids, draft_ids = encode_request(self.target, self.draft, prompt, params, chat)
+        metrics = DecodeMetrics(prompt_tokens=len(target_ids))
+        policy = None
+        if self.draft is not None:
+            policy = self._policy(params, metrics)
+        sequence = _Sequence(key, params, target_ids, metrics, policy,
+                             DraftText(draft_ids, self.tables and self.tables[0]) if policy else None,
+                             draft_ids if policy else None)
+        sequence.sample = token_sampler(params)
+        sequence.eos = set(self.target.tokenizer.eos_token_ids)
+        self.waiting.append(sequence)
+
+    def remove(self, key: Hashable) -> None:
+        """Stop a sequence: it leaves at the end of the next round (or at once if still waiting)."""
+        self.waiting = [s for s in self.waiting if s.key != key]
+        if any(s.key == key for s in self.rows):
+            self._removed.add(key)
+
+    def step(self) -> list[SequenceEvent]:
+        """One round for every sequence in the batch; new sequences join first."""
+        self._join()
+        if not self.rows:
+            return []
+        batch = len(self.rows)
+        for sequence in self.rows:
+            if sequence.policy is not None and sequence.policy.mode == "auto":
+                sequence.policy.probe = self.probe.at_batch(batch)
+        ks = [min(s.policy.k, s.params.max_tokens - len(s.committed)) if s.policy else 0 for s in self.rows]
+
+        clock = time.perf_counter()
+        proposals = self._propose(ks) if any(ks) else [[] for _ in self.rows]
+        draft_s = time.perf_counter() - clock
+
+        clock = time.perf_counter()
+        candidates = []
+        for sequence, proposal in zip(self.rows, proposals):
+            context = sequence.prompt[-sequence.params.prefix - 8:] + sequence.committed
+            found = translate_proposal(sequence.params, self.tables, proposal, context,
+                                       sequence.draft_text.lag if sequence.draft_text else b"", sequence.metrics)
+            candidates.append(found[: sequence.params.max_tokens - len(sequence.committed)])
+        translate_s = time.perf_counter() - clock
+
+        clock = time.perf_counter()
+        choices = self._verify(candidates)
+        width = 1 + max(map(len, candidates))  # positions every row fed the target this round
+        events, trims, finished = [], [], []
+        for row, sequence in enumerate(self.rows):
+            new, accepted, stopped = settle_round(
+                candidates[row], choices[row], proposals[row], len(sequence.committed), sequence.params,
+                sequence.eos, sequence.metrics, sequence.policy or _PLAIN, self.tables)
+            trims.append(width - 1 - accepted)
+            sequence.metrics.plain_rounds += not proposals[row] and sequence.policy is not None
+            sequence.committed += new
+            sequence.pending = new[-1] if new else sequence.pending
+            sequence.metrics.generated_tokens = len(sequence.committed)
+            done = stopped or len(sequence.committed) >= sequence.params.max_tokens or sequence.key in self._removed
+            if done:
+                sequence.metrics.finish_reason = (
+                    "stop" if stopped else "length" if len(sequence.committed) >= sequence.params.max_tokens
+                    else "cancelled")
+            finished.append(done)
+            events.append(SequenceEvent(sequence.key, Commit(new, drafted=min(accepted, len(new))) if new else None,
+                                        done, sequence.metrics))
+        batch_kv.trim_each(self.target_cache, trims)
+        verify_s = time.perf_counter() - clock
+
+        clock = time.perf_counter()
+        if self.draft_cache is not None:
+            self._resync(finished, [event.commit.tokens if event.commit else [] for event in events])
+        resync_s = time.perf_counter() - clock
+
+        for sequence in self.rows:
+            metrics = sequence.metrics
+            metrics.draft_s += draft_s
+            metrics.translate_s += translate_s
+            metrics.verify_s += verify_s
+            metrics.resync_s += resync_s
+            metrics.decode_s = metrics.draft_s + metrics.translate_s + metrics.verify_s + metrics.resync_s
+            metrics.batch_size += (batch - metrics.batch_size) / metrics.rounds
+        self._leave(finished)
+        return events
+
+    # --- the round's parts -------------------------------------------------------------------
+
+    def _policy(self, params: DecodingParams, metrics: DecodeMetrics) -> DraftLength | None:
+        if params.k != "auto":
+            return DraftLength(params)
+        if self.probe is None:
+            raise PolspecError("k=auto in a batch needs the pair's probe (polspec models probe TARGET DRAFT)")
+        if not any(can_pay(self.probe.at_batch(b), params.k_max) for b in range(1, self.max_batch + 1)):
+            metrics.k_policy_note = "auto: plain decoding, no k can pay on this machine at any batch size"
+            return None
+        translation = f"aligned/{params.partial_word}" if params.strategy == "aligned" else params.strategy
+        estimate = acceptance_estimate(self.target.entry.alias, self.draft.entry.alias, translation)
+        return DraftLength(params, self.probe.at_batch(1), estimate)
+
+    def _join(self) -> None:
+        joining = []
+        while self.waiting and len(self.rows) + len(joining) < self.max_batch:
+            joining.append(self.waiting.pop(0))
+        if not joining:
+            return
+        targets, drafts = [], []
+        for sequence in joining:
+            clock = time.perf_counter()
+            targets.append(batch_kv.prefill_one(self.target.model, self.target_layers, sequence.prompt[:-1]))
+            sequence.pending = sequence.prompt[-1]
+            if self.draft is not None:
+                prompt = sequence.draft_prompt if sequence.draft_prompt is not None else [0]
+                drafts.append(batch_kv.prefill_one(self.draft.model, self.draft_layers, prompt[:-1]))
+                if sequence.draft_text is not None:
+                    sequence.draft_text.fed = len(prompt) - 1
+                sequence.draft_cached = len(prompt) - 1
+            sequence.metrics.prefill_s = time.perf_counter() - clock
+        self.target_cache = batch_kv.join(self.target_cache, targets)
+        if self.draft is not None:
+            self.draft_cache = batch_kv.join(self.draft_cache, drafts)
+        self.rows += joining
+
+    def _propose(self, ks: list[int]) -> list[list[int]]:
+        """Every row's greedy draft tokens (up to its k), in one batched forward per draft step.
+
+        The first step feeds each row's text committed since its last proposal (right-padded to
+        the longest); rows with k = 0 catch up in it too, at little cost, and propose nothing.
+        """
+        feeds = [s.draft_text.sequence[s.draft_text.fed:] if s.draft_text else [0] for s in self.rows]
+        width = max(map(len, feeds))
+        inputs = mx.array([feed + [0] * (width - len(feed)) for feed in feeds])
+        logits = self.draft.model(inputs, cache=self.draft_cache)
+        logits = logits[mx.arange(len(feeds)), mx.array([len(feed) - 1 for feed in feeds])]
+        batch_kv.trim_each(self.draft_cache, [width - len(feed) for feed in feeds])
+        steps = max(ks)
+        # Fixed and heuristic rows need their k steps; beyond those, the confidence rows decide,
+        # at one host sync per step, as the single-sequence decoder does.
+        fixed = max((k for k, s in zip(ks, self.rows) if not _confident(s)), default=0)
+        confident = [row for row, s in enumerate(self.rows) if _confident(s) and ks[row]]
+        thresholds = mx.array([self.rows[row].policy.threshold for row in confident])
+        tokens, confidences = [], []
+        for step in range(steps):
+            token = mx.argmax(logits, axis=-1)
+            tokens.append(token)
+            confidences.append(mx.take_along_axis(mx.softmax(logits, axis=-1), token[:, None], axis=-1)[:, 0])
+            if step + 1 == steps:
+                break
+            if step + 1 >= fixed and confident:
+                unsure = mx.stack(confidences, axis=1)[mx.array(confident)] < thresholds[:, None]
+                if mx.all(mx.any(unsure, axis=1)).item():
+                    break
+            logits = self.draft.model(token[:, None], cache=self.draft_cache)[:, -1]
+        steps = len(tokens)
+        mx.eval(tokens, confidences)
+        drafted = mx.stack(tokens, axis=1).tolist()
+        sure = mx.stack(confidences, axis=1).tolist()
+        proposals = []
+        for row, sequence in enumerate(self.rows):
+            text = sequence.draft_text
+            proposal = drafted[row][: ks[row]]
+            if _confident(sequence):
+                low = next((i for i, p in enumerate(sure[row][: ks[row]]) if p < sequence.policy.threshold), None)
+                proposal = proposal if low is None else proposal[: low + 1]
+            if text is not None:
+                text.fed = len(text.sequence) + max(len(proposal) - 1, 0)
+                text.sequence = text.sequence + proposal
+            sequence.draft_cached += len(feeds[row]) + steps - 1
+            proposals.append(proposal)
+        return proposals
+
+    def _verify(self, candidates: list[list[int]]) -> list[list[int]]:
+        """The target's own token at every position of every row, from one batched forward."""
+        inputs = [[s.pending] + found for s, found in zip(self.rows, candidates)]
+        width = max(map(len, inputs))
+        logits = self.target.model(mx.array([row + [0] * (width - len(row)) for row in inputs]), cache=self.target_cache)
+        if all(s.params.temperature == 0 for s in self.rows):
+            chosen = mx.argmax(logits, axis=-1).tolist()
+            return [row[: len(fed)] for row, fed in zip(chosen, inputs)]
+        picks = [s.sample(logits[row, : len(fed)]) for row, (s, fed) in enumerate(zip(self.rows, inputs))]
+        mx.eval(picks)
+        return [pick.tolist() for pick in picks]
+
+    def _resync(self, finished: list[bool], new: list[list[int]]) -> None:
+        """Every draft row follows its committed text; its cache row is cut to what stays valid."""
+        trims = []
+        for sequence, done, tokens in zip(self.rows, finished, new):
+            text = sequence.draft_text
+            keep = sequence.draft_cached
+            if text is not None and not done:
+                keep = text.resync(sequence.committed, self.tables[1].text(tokens) if self.tables else b"")
+            elif text is None:  # a target-only row: its draft row only ever holds padding
+                keep = 0
+            trims.append(sequence.draft_cached - keep)
+            sequence.draft_cached = keep
+        batch_kv.trim_each(self.draft_cache, trims)
+
+    def _leave(self, finished: list[bool]) -> None:
+        stay = [row for row, done in enumerate(finished) if not done]
+        for row, done in enumerate(finished):
+            if done:
+                self._removed.discard(self.rows[row].key)
+                self.rows[row].metrics.peak_memory_gb = mx.get_peak_memory() / 1e9
+        if len(stay) == len(self.rows):
+            return
+        self.rows = [self.rows[row] for row in stay]
+        if not stay:
+            self.target_cache = self.draft_cache = None
+            return
+        batch_kv.keep_rows(self.target_cache, stay)
+        if self.draft_cache is not None:
+            batch_kv.keep_rows(self.draft_cache, stay)
+
+    def cached_lengths(self) -> tuple[list[int], list[int]]:
+        """(target, draft) cache entries per row, for checks."""
+        return (batch_kv.row_lengths(self.target_cache) if self.target_cache else [],
+                batch_kv.row_lengths(self.draft_cache) if self.draft_cache else [])
+
+
+def _confident(sequence: _Sequence) -> bool:
+    return sequence.policy is not None and sequence.policy.mode == "confidence"
+
+
+class _Plain:
+    """The draft-length policy of a target-only row: it learns nothing."""
+
+    mode = "plain"
+
+    def observe(self, accepted: int, candidates: int, proposed: int) -> None:
+        pass
+
+
+_PLAIN = _Plain()
+
+
+def stream_batch(
+    target: LoadedModel,
+    draft: LoadedModel | None,
+    requests: list[tuple[Prompt, DecodingParams]],
+    max_batch: int | None = None,
+    probe: Probe | None = None,
+    chat: bool | None = None,
+) -> Iterator[SequenceEvent]:
+    """Decode every request (prompt, params) in continuous batches; events keyed by request index."""
+    longest = max((params.max_tokens for _, params in requests), default=0) + 512
+    decoder = BatchDecoder(target, draft, max_batch, probe, longest)
+    for index, (prompt, params) in enumerate(requests):
+        decoder.add(index, prompt, params, chat)
+    while decoder:
+        yield from decoder.step()
+
+
+def free_memory_bytes() -> int:
+    """Memory this process may still use: the kernel's MemAvailable on Linux, else physical
+    memory less what MLX holds (unified memory on a Mac)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") - mx.get_active_memory()
+
+
+def max_batch_size(target: LoadedModel, draft: LoadedModel | None, longest: int, cap: int = 64) -> int:
+    """The most sequences of ``longest`` tokens (prompt plus generation) that memory holds at once.
+
+    Counts each sequence's KV cache in both models and its logits over the widest round; a
+    PolspecError when not even one sequence fits.
+    """
+    per_token = batch_kv.kv_bytes_per_token(target.model, batch_kv.check_batchable(target.model, target.entry.alias))
+    if draft is not None:
+        per_token += batch_kv.kv_bytes_per_token(draft.model, batch_kv.check_batchable(draft.model, draft.entry.alias))
+    logits = 4 * (_vocabulary(target.model) + (_vocabulary(draft.model) if draft else 0)) * 2 * (DecodingParams().k_max + 1)
+    per_sequence = per_token * longest + logits
+    budget = free_memory_bytes() * MEMORY_SHARE
+    fits = int(budget // per_sequence)
+    if fits < 1:
+        raise PolspecError(
+            f"one sequence of {longest} tokens needs {per_sequence / 1e9:.2f} GB of KV cache and logits, "
+            f"but only {budget / 1e9:.2f} GB is free here: shorten the prompt or max_tokens, or free memory")
+    return min(fits, cap)
+
+
+def _vocabulary(model: nn.Module) -> int:
+    size = getattr(getattr(model, "args", None), "vocab_size", None)
+    return size if isinstance(size, int) else model(mx.array([[0]])).shape[-1]

@@ -1,0 +1,98 @@
+"""The ragged batch KV cache: mlx-lm's ``BatchKVCache`` with per-sequence trimming.
+
+mlx-lm keeps a batch left-padded: every row's entries end at the same physical index, each
+row's ``left_padding`` is masked out, and ``offset`` (one per row) gives RoPE each row's own
+positions. Speculative decoding needs more: after verification each row keeps its own number
+of the positions fed this round, and a right-padded catch-up chunk leaves a different number
+of padding entries at the end of each row. :func:`trim_each` trims row by row and rolls each
+row right by what it lost beyond the least, so that every row stays contiguous and
+right-aligned, which is what ``BatchKVCache``'s masks assume.
+
+Every layer, sliding-window ones included, gets a plain (non-rotating) cache: the window is
+applied by the attention mask (``window_size`` in ``make_mask``), which attends to exactly
+the keys a rotating cache would hold, and a plain cache can be trimmed at any length.
+"""
+
+from __future__ import annotations
+
+from polspec import backend  # noqa: F401  (before mlx: the Linux BLAS fix)
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache, dynamic_roll, make_prompt_cache
+
+from polspec.decoding.kv import PREFILL_STEP
+from polspec.errors import PolspecError
+
+
+def check_batchable(model: nn.Module, alias: str) -> int:
+    """The model's number of cache layers; refuses models whose cache cannot be trimmed."""
+    layers = make_prompt_cache(model)
+    for layer in layers:
+        if not isinstance(layer, (KVCache, RotatingKVCache)):
+            raise PolspecError(
+                f"{alias} has {type(layer).__name__} layers (state-space or similar) whose cache cannot be trimmed; "
+                "batched and speculative decoding need a trimmable cache"
+            )
+    return len(layers)
+
+
+def prefill_one(model: nn.Module, layers: int, ids: list[int]) -> list[KVCache]:
+    """A single sequence's cache with ``ids`` fed (no logits kept), ready to join a batch."""
+    cache = [KVCache() for _ in range(layers)]
+    for start in range(0, len(ids), PREFILL_STEP):
+        model(mx.array([ids[start:start + PREFILL_STEP]]), cache=cache)
+        mx.eval([c.state for c in cache if c.keys is not None])
+    return cache
+
+
+def join(batch: list[BatchKVCache] | None, singles: list[list[KVCache]]) -> list[BatchKVCache]:
+    """``batch`` with the single-sequence caches appended as new rows (a new batch when None)."""
+    merged = [BatchKVCache.merge([single[layer] for single in singles]) for layer in range(len(singles[0]))]
+    if batch is None:
+        return merged
+    for mine, theirs in zip(batch, merged):
+        mine.extend(theirs)
+    return batch
+
+
+def keep_rows(batch: list[BatchKVCache], rows: list[int]) -> None:
+    """Drop every row not in ``rows`` (in place); the left padding they shared is cut."""
+    indices = mx.array(rows)
+    for layer in batch:
+        layer.filter(indices)
+
+
+def trim_each(batch: list[BatchKVCache], amounts: list[int]) -> None:
+    """Drop the last ``amounts[i]`` entries of row ``i`` in every layer, rows kept right-aligned."""
+    least = min(amounts)
+    shifts = [amount - least for amount in amounts]
+    for layer in batch:
+        if layer.trim(least) != least:
+            raise PolspecError(f"the batch KV cache holds fewer than the {least} entries to trim")
+        if not any(shifts) or layer.keys is None:
+            continue
+        end = layer._idx
+        by = mx.array(shifts)[:, None]
+        # What each row rolls out at the end wraps into its left padding, which is masked.
+        layer.keys[..., :end, :] = dynamic_roll(layer.keys[..., :end, :], by, axis=2)
+        layer.values[..., :end, :] = dynamic_roll(layer.values[..., :end, :], by, axis=2)
+        step = mx.array(shifts)
+        layer.offset = layer.offset - step
+        layer.left_padding = layer.left_padding + step
+
+
+def row_lengths(batch: list[BatchKVCache]) -> list[int]:
+    """Entries each row holds (a host sync: for checks, not for the decode loop)."""
+    return batch[0].offset.tolist()
+
+
+_KV_BYTES: dict[int, int] = {}
+
+
+def kv_bytes_per_token(model: nn.Module, layers: int) -> int:
+    """Bytes one token of one sequence adds to the model's KV cache, measured once with one forward."""
+    if id(model) not in _KV_BYTES:
+        cache = prefill_one(model, layers, [1, 1])
+        _KV_BYTES[id(model)] = sum(c.keys[..., :1, :].nbytes + c.values[..., :1, :].nbytes for c in cache)
+    return _KV_BYTES[id(model)]
