@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import math
 import os
 from collections import Counter
 
-import mlx.core as mx
-import numpy as np
 import pytest
 from click.testing import CliRunner
 
@@ -18,6 +15,10 @@ from polspec.decoding.metrics import DecodeMetrics
 from polspec.decoding.run import encode_prompt, stream
 from polspec.decoding.translate import STRATEGIES, token_bytes
 from polspec.errors import PolspecError
+
+from decoding_checks import (
+    SAMPLED_PROMPT, assert_same_or_float_tie, chi_square_critical, goodness_of_fit, two_token_bins,
+)
 
 PROMPTS = [
     "Kraków jest", "Stolicą Polski jest Warszawa, która", "Wisła to najdłuższa rzeka", "W lesie rosną",
@@ -32,7 +33,6 @@ MAX_TOKENS = 8
 # k=2) gets all 20 prompts and the rest of the grid a sample, to keep the suite within
 # minutes on a 2-core CPU.
 FULL_GRID = os.environ.get("POLSPEC_TEST_FULL_GRID") == "1"
-TIE = 1e-5
 
 
 def prompts_for(pair: str, k: int, strategy: str) -> list[str]:
@@ -55,21 +55,6 @@ def baseline():
         return results[key]
 
     return ids
-
-
-def last_logits(model, ids: list[int]) -> np.ndarray:
-    """The model's logits for the token after ``ids``, from one forward without a cache."""
-    return np.array(model.model(mx.array([ids]))[0, -1])
-
-
-def assert_same_or_float_tie(target, prompt: str, expected: list[int], actual: list[int]) -> None:
-    """Equal ids, or the first difference is a float tie in the target's own logits (shown, not assumed)."""
-    if actual == expected:
-        return
-    index = next(i for i, (a, b) in enumerate(zip(actual, expected)) if a != b)
-    logits = np.sort(last_logits(target, encode_prompt(target, prompt, chat=False) + expected[:index]))
-    gap = float(logits[-1] - logits[-2])
-    assert gap < TIE, f"{prompt!r}: token {index} differs ({actual[index]} vs {expected[index]}) with a logit gap of {gap}"
 
 
 @pytest.mark.parametrize("strategy", [*STRATEGIES, "aligned/hold"])
@@ -120,60 +105,6 @@ def test_caches_hold_exactly_the_committed_and_resynced_tokens(request, pair):
         assert state.draft_cached == state.draft_fed
         assert draft_bytes.text(state.draft_generated) + state.draft_lag == target_bytes.text(committed)
     assert rounds > 1
-
-
-def chi_square_critical(df: int, z: float = 3.09) -> float:
-    """Wilson-Hilferty approximation of the chi-square quantile (z = 3.09: p = 0.001)."""
-    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
-
-
-SAMPLED_PROMPT = "Wisła to najdłuższa rzeka"  # a next-token distribution with a few likely tokens
-
-
-def next_token_probabilities(model, ids: list[int], temperature: float) -> np.ndarray:
-    logits = last_logits(model, ids).astype(np.float64) / temperature
-    weights = np.exp(logits - logits.max())
-    return weights / weights.sum()
-
-
-def two_token_bins(model, prompt: str, temperature: float, samples: int) -> dict[tuple, float]:
-    """Exact probabilities of the first two sampled tokens, from the target's own logits, in bins
-    that ``samples`` draws fill at least 5 times on average: ``(t0, t1)`` for a likely pair,
-    ``(t0, None)`` for a likely first token followed by any other. The chi-square test pools the
-    sequences of no bin into one whose probability is the rest of the mass.
-    """
-    ids = encode_prompt(model, prompt, chat=False)
-    first = next_token_probabilities(model, ids, temperature)
-    eos = set(model.tokenizer.eos_token_ids)
-    bins: dict[tuple, float] = {}
-    for t0 in map(int, np.flatnonzero(first * samples >= 5)):
-        if t0 in eos:  # generation stops after it: a one-token sequence
-            bins[(t0,)] = float(first[t0])
-            continue
-        joint = first[t0] * next_token_probabilities(model, ids + [t0], temperature)
-        pairs = {(t0, int(t1)): float(joint[t1]) for t1 in np.flatnonzero(joint * samples >= 5)}
-        bins |= pairs
-        other = float(first[t0]) - sum(pairs.values())
-        if other * samples >= 5:
-            bins[(t0, None)] = other
-    return bins
-
-
-def goodness_of_fit(sequences: list[list[int]], bins: dict[tuple, float]) -> tuple[float, int]:
-    """Chi-square statistic and degrees of freedom of sampled sequences against exact bin probabilities."""
-    def bin_of(ids: list[int]) -> tuple | None:
-        for key in (tuple(ids), (ids[0], None)):
-            if key in bins:
-                return key
-        return None
-
-    n = len(sequences)
-    observed = Counter(bin_of(ids) for ids in sequences)
-    cells = [(observed[key], n * p) for key, p in bins.items()]
-    rest = (observed[None], n * (1 - sum(bins.values())))
-    if rest[1] > 1e-9:
-        cells.append(rest)
-    return sum((o - e) ** 2 / e for o, e in cells), len(cells) - 1
 
 
 def test_sampling_keeps_the_target_distribution(gemma3, smollm2):

@@ -158,7 +158,9 @@ def probe(target: str, draft: str, repeats: int, as_json: bool) -> None:
     Measures c (draft step / target step), d (the draft's per-round work beyond its k steps,
     in target steps), rho(m) (a target forward over m tokens / over one, m = 1..9) and tau
     (translation per round / target step), then shows the acceptance each k
-    needs to beat target-only decoding. `--k auto` uses the stored probe (and measures one on
+    needs to beat target-only decoding. The batch table repeats the forwards over B = 1, 2,
+    4, 8, 16 sequences at once: batched speculation must beat batched plain decoding, and
+    its break-even acceptance rises with B as the spare compute per weight read runs out. `--k auto` uses the stored probe (and measures one on
     first use).
 
     \b
@@ -187,4 +189,16 @@ def probe(target: str, draft: str, repeats: int, as_json: bool) -> None:
         table.add_row(str(k), "never" if even is None else f"{even:.0%}",
                       *(f"{predicted_speedup(result, a, k):.2f}x" for a in (0.4, 0.6, 0.8)))
     output_console().print(table)
+    if result.batch:
+        batch_table = Table(title="batched rounds: costs at B sequences, in steps of a plain batched step")
+        for heading in ("B", "plain step", "c", "rho(3)", "break-even k=1", "break-even k=2", "S at a=0.6, best k"):
+            batch_table.add_column(heading, justify="right")
+        for size in (cost.size for cost in result.batch):
+            at = result.at_batch(size)
+            evens = [break_even_acceptance(at, k) for k in (1, 2)]
+            best = max(range(1, 7), key=lambda k: predicted_speedup(at, 0.6, k))
+            batch_table.add_row(str(size), f"{at.target_step_s * 1e3:.0f} ms", f"{at.c:.3f}", f"{at.rho_at(3):.2f}",
+                                *("never" if even is None else f"{even:.0%}" for even in evens),
+                                f"{predicted_speedup(at, 0.6, best):.2f}x (k={best})")
+        output_console().print(batch_table)
     click.echo(f"stored in {probe_path(target, draft)}")

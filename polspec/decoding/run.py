@@ -54,9 +54,10 @@ def stream(
 
 
 def stored_probe(target: LoadedModel, draft: LoadedModel) -> Probe:
-    """This machine's stored probe for the pair; measured and stored first when there is none."""
+    """This machine's stored probe for the pair; measured and stored first when there is none
+    (or when the stored one predates the batch table)."""
     probe = load_probe(target.entry.alias, draft.entry.alias)
-    if probe is None:
+    if probe is None or not probe.batch:
         probe = measure_probe(target, draft)
         save_probe(probe)
     return probe

@@ -1,0 +1,138 @@
+"""Batched decoding against one-at-a-time decoding and mlx-lm's batch_generate, in one process.
+
+    .venv/bin/python bench/batch.py --target gemma3-270m --drafts smollm2-135m
+    .venv/bin/python bench/batch.py --target qwen2.5-coder-1.5b --drafts gemma3-270m,smollm2-135m \\
+        --prompts 8 --max-tokens 32 --batches 1,4,8
+
+Every configuration decodes the same prompts (half `pl-wiki`, half `pl-struct`), greedy, raw
+text, on the same loaded weights: polspec one prompt at a time (the single-sequence
+decoder), polspec's batched decoder target-only and speculative at each batch size, and
+mlx-lm's `batch_generate` at each batch size. Reports aggregate tokens/s of the whole run
+(prefill included), the median per-sequence latency, peak memory, how many sequences differ
+from one-at-a-time output (float ties of batched products; the tests show them), and the
+ratio to batched target-only decoding at the same B. `auto` needs the pair's probe with its
+batch table (measured first when missing). Prints Markdown; progress to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+from polspec import backend
+
+import mlx.core as mx
+from mlx_lm import batch_generate
+
+from polspec.decoding import DecodingParams, generate
+from polspec.decoding.batch import BatchDecoder
+from polspec.decoding.run import stored_probe
+from polspec.jobs.datasets import load_dataset
+from polspec.models.loader import load_model
+
+
+def bench_prompts(count: int) -> list[str]:
+    half = count // 2
+    return [item.prompt for name, size in (("pl-wiki", count - half), ("pl-struct", half))
+            for item in load_dataset(name, DecodingParams(), size)]
+
+
+def run_one_at_a_time(target, prompts, max_tokens):
+    outputs, latencies = [], []
+    mx.reset_peak_memory()
+    start = time.perf_counter()
+    for prompt in prompts:
+        clock = time.perf_counter()
+        outputs.append(generate(target, None, prompt, DecodingParams(max_tokens=max_tokens), chat=False).token_ids)
+        latencies.append(time.perf_counter() - clock)
+    return outputs, time.perf_counter() - start, latencies
+
+
+def run_batched(target, draft, prompts, max_tokens, k, batch, probe):
+    decoder = BatchDecoder(target, draft, max_batch=batch, probe=probe)
+    for index, prompt in enumerate(prompts):
+        decoder.add(index, prompt, DecodingParams(max_tokens=max_tokens, k=k), chat=False)
+    outputs = [[] for _ in prompts]
+    joined, latencies = {}, []
+    accepted = candidates = 0
+    mx.reset_peak_memory()
+    start = time.perf_counter()
+    while decoder:
+        round_start = time.perf_counter()
+        for event in decoder.step():
+            joined.setdefault(event.key, round_start)  # it joined (was prefilled) in this round
+            if event.commit:
+                outputs[event.key] += event.commit.tokens
+            if event.finished:
+                latencies.append(time.perf_counter() - joined[event.key])
+                accepted += event.metrics.candidates_accepted
+                candidates += event.metrics.candidates
+    return outputs, time.perf_counter() - start, latencies, accepted / candidates if candidates else None
+
+
+def run_mlx_lm(target, prompts, max_tokens, batch):
+    ids = [target.tokenizer.encode(prompt) for prompt in prompts]
+    mx.reset_peak_memory()
+    start = time.perf_counter()
+    response = batch_generate(target.model, target.tokenizer, ids, max_tokens=max_tokens, return_token_ids=True,
+                              completion_batch_size=batch, prefill_batch_size=batch)
+    return response.token_ids, time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="gemma3-270m")
+    parser.add_argument("--drafts", default="smollm2-135m", help="Comma-separated; empty for target-only.")
+    parser.add_argument("--k", default="1,2,auto")
+    parser.add_argument("--batches", default="1,2,4,8,16")
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    args = parser.parse_args()
+    info = backend.setup()
+    print(f"MLX {info.mlx_version} on {info.device}, dtype {info.dtype}, BLAS fix {'on' if info.blas.active else 'off'}\n")
+    target = load_model(args.target)
+    prompts = bench_prompts(args.prompts)
+    batches = [int(b) for b in args.batches.split(",")]
+    ks = [int(k) if k.isdigit() else k for k in args.k.split(",")]
+    print(f"Target {args.target}, {len(prompts)} prompts (pl-wiki and pl-struct), {args.max_tokens} tokens, greedy:\n")
+    print("| how | B | tokens/s | vs one at a time | vs batched plain at B | latency per sequence (median s) "
+          "| peak GB | acceptance | differ |")
+    print("|---|---|---|---|---|---|---|---|---|")
+
+    def row(how, batch, outputs, wall, latencies=None, plain=None, acceptance=None):
+        tokens = sum(map(len, outputs))
+        rate = tokens / wall
+        differ = sum(a != b for a, b in zip(outputs, reference))
+        print(f"| {how} | {batch} | {rate:.2f} | {rate / base_rate:.2f}x | {f'{rate / plain:.2f}x' if plain else '-'} "
+              f"| {statistics.median(latencies):.1f} | {mx.get_peak_memory() / 1e9:.2f} "
+              f"| {'-' if acceptance is None else f'{acceptance:.1%}'} | {differ} |" if latencies else
+              f"| {how} | {batch} | {rate:.2f} | {rate / base_rate:.2f}x | {f'{rate / plain:.2f}x' if plain else '-'} "
+              f"| - | {mx.get_peak_memory() / 1e9:.2f} | - | {differ} |", flush=True)
+        return rate
+
+    print("one at a time ...", file=sys.stderr)
+    reference, wall, latencies = run_one_at_a_time(target, prompts, args.max_tokens)
+    base_rate = sum(map(len, reference)) / wall
+    row("polspec one at a time", 1, reference, wall, latencies)
+    plain = {}
+    for batch in batches:
+        print(f"batched plain B={batch} ...", file=sys.stderr)
+        outputs, wall, latencies, _ = run_batched(target, None, prompts, args.max_tokens, 2, batch, None)
+        plain[batch] = row("polspec batched target-only", batch, outputs, wall, latencies)
+        print(f"mlx-lm B={batch} ...", file=sys.stderr)
+        outputs, wall = run_mlx_lm(target, prompts, args.max_tokens, batch)
+        row("mlx-lm batch_generate", batch, outputs, wall, plain=plain[batch])
+    for draft_alias in filter(None, args.drafts.split(",")):
+        draft = load_model(draft_alias)
+        probe = stored_probe(target, draft) if "auto" in ks else None
+        for k in ks:
+            for batch in batches:
+                print(f"{draft_alias} k={k} B={batch} ...", file=sys.stderr)
+                outputs, wall, latencies, acceptance = run_batched(target, draft, prompts, args.max_tokens, k, batch, probe)
+                row(f"polspec batched, {draft_alias} k={k}", batch, outputs, wall, latencies, plain[batch], acceptance)
+
+
+if __name__ == "__main__":
+    main()

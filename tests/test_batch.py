@@ -1,0 +1,195 @@
+"""The batched decoder on real models: lossless per sequence at every batch size, continuous
+batching (join, leave, cancel), ragged caches, the sampled distribution and per-sequence seeds."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from polspec.decoding import DecodingParams, generate
+from polspec.decoding.batch import BatchDecoder, max_batch_size, stream_batch
+from polspec.decoding.costmodel import BatchCost, Probe
+from polspec.decoding.run import encode_prompt
+from polspec.decoding.translate import STRATEGIES
+from polspec.errors import PolspecError
+
+from decoding_checks import (
+    SAMPLED_PROMPT, assert_same_or_float_tie, chi_square_critical, goodness_of_fit, two_token_bins,
+)
+
+pytestmark = pytest.mark.slow
+
+# Prompts of different lengths; each asks for its own number of tokens, so sequences finish
+# (and free their slots) at different rounds.
+PROMPTS = [
+    "Kraków jest", "Stolicą Polski jest Warszawa, która leży nad Wisłą i od wieków", "W lesie rosną",
+    "Maria Skłodowska-Curie była", "Najlepszy przepis na pierogi z kapustą i grzybami zaczyna się od",
+    "Gdańsk", "Fryderyk Chopin skomponował", "Źródła Wisły leżą w Beskidzie Śląskim, a sama rzeka",
+]
+
+
+def max_tokens(index: int) -> int:
+    return 5 + 2 * (index % 4)
+
+
+@pytest.fixture(scope="module")
+def single():
+    """Single-sequence target-only greedy ids per (target, prompt index), computed once."""
+    results: dict[tuple[str, int], list[int]] = {}
+
+    def ids(target, index: int) -> list[int]:
+        key = (target.entry.alias, index)
+        if key not in results:
+            params = DecodingParams(max_tokens=max_tokens(index))
+            results[key] = generate(target, None, PROMPTS[index], params, chat=False).token_ids
+        return results[key]
+
+    return ids
+
+
+def decode_all(target, draft, batch: int, **params) -> tuple[dict[int, list[int]], dict[int, object]]:
+    requests = [(prompt, DecodingParams(max_tokens=max_tokens(i), **params)) for i, prompt in enumerate(PROMPTS)]
+    tokens: dict[int, list[int]] = {i: [] for i in range(len(PROMPTS))}
+    metrics = {}
+    for event in stream_batch(target, draft, requests, max_batch=batch, chat=False):
+        if event.commit is not None:
+            tokens[event.key] += event.commit.tokens
+        if event.finished:
+            metrics[event.key] = event.metrics
+    return tokens, metrics
+
+
+def assert_lossless(target, single, tokens) -> None:
+    for index, ids in tokens.items():
+        assert_same_or_float_tie(target, PROMPTS[index], single(target, index), ids)
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_batched_target_only_equals_single_sequence_decoding(gemma3, single, batch):
+    tokens, metrics = decode_all(gemma3, None, batch)
+    assert_lossless(gemma3, single, tokens)
+    assert max(m.batch_size for m in metrics.values()) == pytest.approx(min(batch, len(PROMPTS)))
+
+
+# Every strategy at B = 3 (three late joins) and B = 8; the default also one at a time.
+@pytest.mark.parametrize("strategy, batch", [("aligned", 1)] + [
+    (strategy, batch) for strategy in [*STRATEGIES, "aligned/hold"] for batch in (3, 8)])
+def test_batched_speculative_is_lossless_for_every_strategy(gemma3, smollm2, single, strategy, batch):
+    name, _, partial_word = strategy.partition("/")
+    tokens, metrics = decode_all(gemma3, smollm2, batch, k=2, strategy=name, partial_word=partial_word or "verify")
+    assert_lossless(gemma3, single, tokens)
+    assert sum(m.draft_tokens for m in metrics.values()) > 0
+    assert all(m.finish_reason in ("length", "stop") for m in metrics.values())
+
+
+@pytest.mark.parametrize("k", ["heuristic", "confidence", 3])
+def test_batched_speculative_with_a_sliding_window_draft_and_every_policy(smollm2, gemma3, single, k):
+    tokens, _ = decode_all(smollm2, gemma3, 3, k=k)
+    assert_lossless(smollm2, single, tokens)
+
+
+def test_a_model_drafting_for_itself_in_a_batch_has_every_candidate_accepted(gemma3, single):
+    """Full acceptance every round: the bonus token, EOS and trimming of whole rows all run."""
+    tokens, metrics = decode_all(gemma3, gemma3, 4, k=3)
+    assert_lossless(gemma3, single, tokens)
+    for m in metrics.values():
+        assert m.candidates_accepted == m.candidates > 0
+        assert m.tokens_per_round > 2
+
+
+def test_sequences_join_and_leave_between_rounds(gemma3, smollm2, single):
+    """Continuous batching: late joins, a cancelled sequence, ragged caches that stay exact."""
+    decoder = BatchDecoder(gemma3, smollm2, max_batch=3)
+    tokens: dict[int, list[int]] = {}
+    finished: dict[int, str] = {}
+    prompts = {i: encode_prompt(gemma3, PROMPTS[i], chat=False) for i in range(5)}
+
+    def add(index: int) -> None:
+        decoder.add(index, PROMPTS[index], DecodingParams(max_tokens=max_tokens(index), k=2), chat=False)
+        tokens[index] = []
+
+    add(0)
+    add(1)
+    rounds = 0
+    while decoder:
+        if rounds == 1:
+            add(2)
+            add(3)
+            add(4)  # waits: the batch holds 3
+        if rounds == 2:
+            decoder.remove(1)
+        events = decoder.step()
+        rounds += 1
+        assert len(decoder) <= 3
+        for event in events:
+            if event.commit:
+                tokens[event.key] += event.commit.tokens
+            if event.finished:
+                finished[event.key] = event.metrics.finish_reason
+        target_rows, _ = decoder.cached_lengths()
+        expected = [len(prompts[s.key]) + len(tokens[s.key]) - 1 for s in decoder.rows]
+        assert target_rows == expected
+    assert finished[1] == "cancelled"
+    assert tokens[1] == single(gemma3, 1)[: len(tokens[1])] and len(tokens[1]) < max_tokens(1)
+    assert set(finished) == {0, 1, 2, 3, 4}
+    for index in (0, 2, 3, 4):
+        assert_same_or_float_tie(gemma3, PROMPTS[index], single(gemma3, index), tokens[index])
+
+
+def test_batched_sampling_keeps_the_target_distribution(gemma3, smollm2):
+    """Speculative two-token samples at B = 4 follow the target's exact joint distribution."""
+    samples = 80
+    bins = two_token_bins(gemma3, SAMPLED_PROMPT, 1.0, samples)
+    requests = [(SAMPLED_PROMPT, DecodingParams(seed=s, max_tokens=2, temperature=1.0, k=2)) for s in range(samples)]
+    sequences: dict[int, list[int]] = {s: [] for s in range(samples)}
+    for event in stream_batch(gemma3, smollm2, requests, max_batch=4, chat=False):
+        if event.commit:
+            sequences[event.key] += event.commit.tokens
+    statistic, df = goodness_of_fit(list(sequences.values()), bins)
+    assert df >= 3, f"too few likely sequences to test the distribution: {bins}"
+    assert statistic < chi_square_critical(df), (statistic, df, Counter(map(tuple, sequences.values())).most_common(5))
+
+
+def test_a_seed_gives_the_same_samples_whatever_the_batch_holds(gemma3, smollm2):
+    params = DecodingParams(seed=7, max_tokens=6, temperature=1.0, k=2)
+    alone = generate(gemma3, smollm2, PROMPTS[1], params, chat=False).token_ids
+    others = [(PROMPTS[i], DecodingParams(seed=100 + i, max_tokens=6, temperature=0.8, k=2)) for i in (2, 3, 4)]
+    tokens: dict[int, list[int]] = {}
+    for event in stream_batch(gemma3, smollm2, [*others, (PROMPTS[1], params)], max_batch=4, chat=False):
+        tokens.setdefault(event.key, [])
+        if event.commit:
+            tokens[event.key] += event.commit.tokens
+    assert tokens[3] == alone
+
+
+def test_memory_bounds_the_batch_with_a_clear_error(gemma3, smollm2):
+    assert max_batch_size(gemma3, smollm2, 1024) >= 1
+    with pytest.raises(PolspecError, match=r"one sequence of 1000000000 tokens needs [\d.]+ GB of KV cache and logits, "
+                                           r"but only [\d.]+ GB is free here"):
+        max_batch_size(gemma3, smollm2, 10**9)
+
+
+def test_a_repeated_key_and_a_bad_prompt_are_refused_before_decoding(gemma3):
+    decoder = BatchDecoder(gemma3, None, max_batch=2)
+    decoder.add("a", PROMPTS[0], DecodingParams(max_tokens=2), chat=False)
+    with pytest.raises(PolspecError, match="a sequence 'a' is already in this batch"):
+        decoder.add("a", PROMPTS[1], DecodingParams(max_tokens=2), chat=False)
+    with pytest.raises(PolspecError, match="the prompt is empty"):
+        decoder.add("b", " ", DecodingParams(max_tokens=2), chat=False)
+    with pytest.raises(PolspecError, match="k=auto in a batch needs the pair's probe"):
+        BatchDecoder(gemma3, gemma3, max_batch=2).add("c", PROMPTS[0], DecodingParams(k="auto"), chat=False)
+
+
+def test_the_probe_seen_at_a_batch_size_interpolates_its_batch_table():
+    table = (BatchCost(1, (0.10, 0.11, 0.12, 0.14, 0.18), 0.05), BatchCost(4, (0.16, 0.20, 0.24, 0.32, 0.48), 0.08))
+    probe = Probe("t", "d", c=0.5, rho=(1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7, 1.8), tau=0.02,
+                  draft_overhead=0.1, target_step_s=0.10, draft_step_s=0.05, batch=table)
+    assert probe.at_batch(1) is probe
+    at_two = probe.at_batch(2)
+    assert at_two.target_step_s == pytest.approx(0.12)  # a third of the way from B=1 to B=4
+    assert at_two.c == pytest.approx(0.06 / 0.12)
+    assert at_two.rho_at(4) == pytest.approx((0.16 + 0.20) / 2 / 0.12)  # between m = 3 and m = 5
+    assert at_two.tau == pytest.approx(0.02 * 0.10 * 2 / 0.12)  # one translation per sequence
+    assert probe.at_batch(8).target_step_s == pytest.approx(0.16 + (0.16 - 0.10) / 3 * 4)
+    assert Probe.from_dict(probe.as_dict()) == probe
