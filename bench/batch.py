@@ -126,7 +126,7 @@ def main() -> None:
         row("mlx-lm batch_generate", batch, outputs, wall, plain=plain[batch])
     for draft_alias in filter(None, args.drafts.split(",")):
         draft = load_model(draft_alias)
-        probe = stored_probe(target, draft) if "auto" in ks else None
+        probe = stored_probe(target, draft, batched=True) if "auto" in ks else None
         for k in ks:
             for batch in batches:
                 print(f"{draft_alias} k={k} B={batch} ...", file=sys.stderr)

@@ -102,8 +102,12 @@ def test_an_unreadable_probe_counts_as_never_measured(stored, isolated_home, cap
 
 @pytest.mark.slow
 def test_probe_measures_real_models_and_is_stored(gemma3, smollm2, home_with_models):
-    measured = probe(gemma3, smollm2, repeats=2, context=16)
+    measured = probe(gemma3, smollm2, repeats=2, context=16, batch_sizes=(1, 4))
     assert measured.rho[0] == 1.0 and len(measured.rho) == 9 and measured.rho[8] > 1.0
+    assert [cost.size for cost in measured.batch] == [1, 4]
+    one, four = measured.batch
+    assert four.target_s[-1] > one.target_s[-1]  # 36 positions cost more than 9
+    assert measured.at_batch(4).target_step_s == four.target_s[0]
     assert 0 < measured.c < 5 and measured.tau >= 0 and measured.target_step_s > 0
     assert 0 <= measured.draft_overhead < 5 * measured.c  # a round's extra draft work: a catch-up token, a sync
     save_probe(measured)

@@ -4,12 +4,13 @@
     result = generate(target, draft, messages_or_text, DecodingParams(k=2))
 
 The CLI and the worker are thin layers over :func:`generate` and the streaming generators
-in :mod:`polspec.decoding.autoregressive` and :mod:`polspec.decoding.speculative`.
+in :mod:`polspec.decoding.autoregressive` and :mod:`polspec.decoding.speculative`. Many
+sequences decode together with :class:`BatchDecoder` (:mod:`polspec.decoding.batch`).
 """
 
 from polspec.decoding.params import DecodingParams
 
-__all__ = ["DecodingParams", "GenerationResult", "generate", "stream"]
+__all__ = ["BatchDecoder", "DecodingParams", "GenerationResult", "generate", "stream", "stream_batch"]
 
 
 def __getattr__(name: str):
@@ -19,4 +20,8 @@ def __getattr__(name: str):
         from polspec.decoding import run
 
         return getattr(run, name)
+    if name in ("BatchDecoder", "stream_batch"):
+        from polspec.decoding import batch
+
+        return getattr(batch, name)
     raise AttributeError(f"module 'polspec.decoding' has no attribute {name!r}")

@@ -9,7 +9,7 @@ from polspec import backend  # noqa: F401  (before mlx: the Linux BLAS fix)
 
 from polspec.decoding.autoregressive import generate_autoregressive
 from polspec.decoding.commit import Commit
-from polspec.decoding.costmodel import Probe, acceptance_estimate, can_pay, load_probe, save_probe
+from polspec.decoding.costmodel import BATCH_SIZES, Probe, acceptance_estimate, can_pay, load_probe, save_probe
 from polspec.decoding.costmodel import probe as measure_probe
 from polspec.decoding.metrics import DecodeMetrics
 from polspec.decoding.params import DecodingParams
@@ -53,12 +53,12 @@ def stream(
     return generate_speculative(target, draft, target_ids, draft_ids, params, metrics, policy)
 
 
-def stored_probe(target: LoadedModel, draft: LoadedModel) -> Probe:
-    """This machine's stored probe for the pair; measured and stored first when there is none
-    (or when the stored one predates the batch table)."""
+def stored_probe(target: LoadedModel, draft: LoadedModel, batched: bool = False) -> Probe:
+    """This machine's stored probe for the pair; measured and stored first when there is none,
+    or when ``batched`` needs the batch table and the stored probe has none."""
     probe = load_probe(target.entry.alias, draft.entry.alias)
-    if probe is None or not probe.batch:
-        probe = measure_probe(target, draft)
+    if probe is None or (batched and not probe.batch):
+        probe = measure_probe(target, draft, batch_sizes=BATCH_SIZES if batched else ())
         save_probe(probe)
     return probe
 
