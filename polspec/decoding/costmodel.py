@@ -313,15 +313,7 @@ def _forward_times(loaded, sizes, repeats: int, context: int) -> list[float]:
         prefill(loaded.model, cache, list(range(1, context + 1)))
         caches.append(cache)
     inputs = [mx.array([list(range(2, m + 2))]) for m in sizes]
-    times: list[list[float]] = [[] for _ in sizes]
-    for round_ in range(repeats + 1):  # the first round warms each shape up and is not kept
-        for index, m in enumerate(sizes):
-            clock = time.perf_counter()
-            mx.eval(loaded.model(inputs[index], cache=caches[index]))
-            if round_:
-                times[index].append(time.perf_counter() - clock)
-            trim(caches[index], m)
-    return [statistics.median(values) for values in times]
+    return _median_times(loaded.model, inputs, caches, [lambda cache, m=m: trim(cache, m) for m in sizes], repeats)
 
 
 def _batch_forward_times(loaded, size: int, positions, repeats: int, context: int) -> list[float]:
@@ -336,14 +328,23 @@ def _batch_forward_times(loaded, size: int, positions, repeats: int, context: in
     caches = [batch_kv.join(None, [batch_kv.prefill_one(loaded.model, layers, list(range(1, context + 1)))
                                    for _ in range(size)]) for _ in positions]
     inputs = [mx.array([list(range(2, m + 2))] * size) for m in positions]
-    times: list[list[float]] = [[] for _ in positions]
+    undo = [lambda cache, m=m: batch_kv.trim_each(cache, [m] * size) for m in positions]
+    return _median_times(loaded.model, inputs, caches, undo, repeats)
+
+
+def _median_times(model, inputs: list, caches: list, undo: list, repeats: int) -> list[float]:
+    """Median time of ``model`` over each input with its cache, all inputs in turn within a repeat;
+    ``undo[i](cache)`` takes the forward's entries out of the cache again, untimed."""
+    import mlx.core as mx
+
+    times: list[list[float]] = [[] for _ in inputs]
     for round_ in range(repeats + 1):  # the first round warms each shape up and is not kept
-        for index, m in enumerate(positions):
+        for index, (tokens, cache) in enumerate(zip(inputs, caches)):
             clock = time.perf_counter()
-            mx.eval(loaded.model(inputs[index], cache=caches[index]))
+            mx.eval(model(tokens, cache=cache))
             if round_:
                 times[index].append(time.perf_counter() - clock)
-            batch_kv.trim_each(caches[index], [m] * size)
+            undo[index](cache)
     return [statistics.median(values) for values in times]
 
 
