@@ -4,7 +4,7 @@
     .venv/bin/python bench/batch.py --target qwen2.5-coder-1.5b --drafts gemma3-270m,smollm2-135m \\
         --prompts 8 --max-tokens 32 --batches 1,4,8
 
-Every configuration decodes the same prompts (half `pl-wiki`, half `pl-struct`), greedy, raw
+Every configuration decodes the same prompts (by default half `pl-wiki`, half `pl-struct`), greedy, raw
 text, on the same loaded weights: polspec one prompt at a time (the single-sequence
 decoder), polspec's batched decoder target-only and speculative at each batch size, and
 mlx-lm's `batch_generate` at each batch size. Reports aggregate tokens/s of the whole run
@@ -33,9 +33,10 @@ from polspec.jobs.datasets import load_dataset
 from polspec.models.loader import load_model
 
 
-def bench_prompts(count: int) -> list[str]:
-    half = count // 2
-    return [item.prompt for name, size in (("pl-wiki", count - half), ("pl-struct", half))
+def bench_prompts(datasets: list[str], count: int) -> list[str]:
+    """`count` prompts split evenly over `datasets`, the first ones taking the remainder."""
+    sizes = [count // len(datasets) + (index < count % len(datasets)) for index in range(len(datasets))]
+    return [item.prompt for name, size in zip(datasets, sizes) if size
             for item in load_dataset(name, DecodingParams(), size)]
 
 
@@ -87,16 +88,18 @@ def main() -> None:
     parser.add_argument("--drafts", default="smollm2-135m", help="Comma-separated; empty for target-only.")
     parser.add_argument("--k", default="1,2,auto")
     parser.add_argument("--batches", default="1,2,4,8,16")
+    parser.add_argument("--datasets", default="pl-wiki,pl-struct", help="Comma-separated built-in sets.")
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=64)
     args = parser.parse_args()
     info = backend.setup()
     print(f"MLX {info.mlx_version} on {info.device}, dtype {info.dtype}, BLAS fix {'on' if info.blas.active else 'off'}\n")
     target = load_model(args.target)
-    prompts = bench_prompts(args.prompts)
+    datasets = args.datasets.split(",")
+    prompts = bench_prompts(datasets, args.prompts)
     batches = [int(b) for b in args.batches.split(",")]
     ks = [int(k) if k.isdigit() else k for k in args.k.split(",")]
-    print(f"Target {args.target}, {len(prompts)} prompts (pl-wiki and pl-struct), {args.max_tokens} tokens, greedy:\n")
+    print(f"Target {args.target}, {len(prompts)} prompts ({', '.join(datasets)}), {args.max_tokens} tokens, greedy:\n")
     print("| how | B | tokens/s | vs one at a time | vs batched plain at B | latency per sequence (median s) "
           "| peak GB | acceptance | differ |")
     print("|---|---|---|---|---|---|---|---|---|")

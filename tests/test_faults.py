@@ -62,16 +62,16 @@ def env(sqlite_env: dict[str, str]) -> dict[str, str]:
     return sqlite_env
 
 
-def test_worker_killed_mid_batch_then_restarted_does_every_item_once(env):
+def test_worker_killed_mid_item_then_restarted_does_every_item_once(env):
     enqueue(env, limit=6, max_tokens=24)
-    first = start_worker(env, "--burst")
+    first = start_worker(env, "--burst", "--batch", "1")
     wait_for(lambda: statuses(env).get("done", 0) >= 2 and statuses(env).get("running", 0) == 1, 240,
              "two items done and one running")
     first.send_signal(signal.SIGKILL)
     first.wait()
     assert statuses(env).get("running") == 1  # the killed worker's item, left behind
 
-    output = finish(start_worker(env, "--burst"))
+    output = finish(start_worker(env, "--burst", "--batch", "1"))
     assert "re-enqueued 1 unfinished items (1 worker gone)" in output
     items = assert_each_item_done_once(env, 6)
     assert sorted(item.attempts for item in items) == [1, 1, 1, 1, 1, 2]
@@ -87,10 +87,10 @@ def test_redis_restarted_mid_batch_loses_nothing(redis_server, tmp_path):
     assert_each_item_done_once(env, 6)
 
 
-def test_two_workers_on_one_queue_never_duplicate(any_db_env):
+def test_two_batched_workers_on_one_queue_never_duplicate(any_db_env):
     env = any_db_env
     enqueue(env, limit=8, max_tokens=8)
-    workers = [start_worker(env, "--burst") for _ in range(2)]
+    workers = [start_worker(env, "--burst", "--batch", "4") for _ in range(2)]
     for worker in workers:
         finish(worker)
     items = assert_each_item_done_once(env, 8)
@@ -126,7 +126,7 @@ def test_heartbeat_keeps_a_job_longer_than_the_registry_ttl_alive(env):
 
 def test_first_sigterm_finishes_the_item_then_stops(env):
     enqueue(env, limit=3, max_tokens=24)
-    worker = start_worker(env, "--burst")
+    worker = start_worker(env, "--burst", "--batch", "1")
     wait_for(lambda: statuses(env).get("running") == 1, 120, "an item to start")
     worker.send_signal(signal.SIGTERM)
     finish(worker, timeout=120)
@@ -138,7 +138,7 @@ def test_first_sigterm_finishes_the_item_then_stops(env):
 
 def test_cancel_stops_a_running_item_between_rounds(env):
     batch = enqueue(env, limit=2, max_tokens=200)
-    worker = start_worker(env, "--burst")
+    worker = start_worker(env, "--burst", "--batch", "1")
     wait_for(lambda: statuses(env).get("running") == 1, 120, "an item to start")
     result = CliRunner().invoke(main, ["cancel", str(batch)], env=env)
     assert result.exit_code == 0 and "1 queued items dropped" in result.output
@@ -150,3 +150,65 @@ def test_cancel_stops_a_running_item_between_rounds(env):
     with session_scope(engine) as session:
         assert session.scalar(select(func.count()).select_from(Result)) == 0
     engine.dispose()
+
+
+# --- the same faults while items decode together (worker --batch) ------------------------------
+
+def test_batched_worker_killed_mid_batch_then_restarted_does_every_item_once(env):
+    enqueue(env, limit=8, max_tokens=32)
+    first = start_worker(env, "--burst", "--batch", "4")
+    wait_for(lambda: statuses(env).get("running", 0) == 4, 240, "a batch of four items decoding")
+    time.sleep(1.0)  # a few rounds into the batch
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    left = statuses(env)
+    assert left.get("running", 0) >= 1 and left.get("done", 0) < 8  # the killed batch's items, left behind
+
+    output = finish(start_worker(env, "--burst", "--batch", "4"))
+    assert f"re-enqueued {left['running']} unfinished items ({left['running']} worker gone)" in output
+    items = assert_each_item_done_once(env, 8)
+    assert sorted(item.attempts for item in items) == [1] * (8 - left["running"]) + [2] * left["running"]
+
+
+def test_redis_flushed_mid_batch_loses_nothing(env):
+    enqueue(env, limit=8, max_tokens=24)
+    worker = start_worker(env, "--burst", "--batch", "4")
+    wait_for(lambda: statuses(env).get("running", 0) == 4, 240, "a batch of four items decoding")
+    redis.Redis.from_url(env["POLSPEC_REDIS_URL"]).flushall()  # the queued jobs and the batch's own are gone
+    finish(worker)  # a burst worker recovers the lost queue from the database before it stops
+    items = assert_each_item_done_once(env, 8)
+    assert all(item.attempts == 1 for item in items)  # the batch in flight finished; nothing ran twice
+
+
+def test_cancel_stops_one_of_two_batches_decoding_together(env):
+    cancelled, kept = enqueue(env, limit=3, max_tokens=200), enqueue(env, limit=3, max_tokens=12)
+    worker = start_worker(env, "--burst", "--batch", "8")
+    engine = make_engine(env["POLSPEC_DB_URL"])
+
+    def running_in(batch: int) -> int:
+        with session_scope(engine) as session:
+            return session.scalar(select(func.count()).where(Item.batch_id == batch, Item.status == "running"))
+
+    wait_for(lambda: running_in(cancelled) == 3 and running_in(kept) == 3, 240, "both batches decoding together")
+    result = CliRunner().invoke(main, ["cancel", str(cancelled)], env=env)
+    assert result.exit_code == 0
+    started = time.monotonic()
+    finish(worker, timeout=120)
+    assert time.monotonic() - started < 30  # 200 tokens would take far longer
+    with session_scope(engine) as session:
+        rows = session.execute(select(Item.batch_id, Item.status, Result.id).outerjoin(Result)).all()
+    engine.dispose()
+    assert sorted((batch, status, result is not None) for batch, status, result in rows) == \
+        [(cancelled, "cancelled", False)] * 3 + [(kept, "done", True)] * 3
+
+
+def test_first_sigterm_finishes_the_batch_in_flight_then_stops(env):
+    enqueue(env, limit=6, max_tokens=24)
+    worker = start_worker(env, "--burst", "--batch", "2")
+    wait_for(lambda: statuses(env).get("running", 0) == 2, 240, "a batch of two items decoding")
+    worker.send_signal(signal.SIGTERM)
+    finish(worker, timeout=120)
+    after = statuses(env)
+    assert after.get("done", 0) >= 2 and after.get("queued", 0) >= 1 and "running" not in after
+    finish(start_worker(env, "--burst"))
+    assert_each_item_done_once(env, 6)

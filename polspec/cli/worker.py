@@ -7,7 +7,27 @@ import click
 from polspec.worker import HEARTBEAT_GRACE_S, HEARTBEAT_INTERVAL_S
 
 
+class BatchSize(click.ParamType):
+    """A batch size: a whole number of at least 1, or ``auto``."""
+
+    name = "N|auto"
+
+    def convert(self, value, param, ctx):
+        if value is None or value == "auto":
+            return None
+        try:
+            size = int(value)
+        except (TypeError, ValueError):
+            size = 0
+        if size < 1:
+            self.fail(f"{value!r} is neither a whole number of at least 1 nor 'auto'", param, ctx)
+        return size
+
+
 @click.command()
+@click.option("--batch", default="auto", show_default=True, type=BatchSize(),
+              help="Items decoded together. auto: as many as pay on this machine (the pair's probe, else 16), "
+                   "capped by free memory; 1: one at a time, for per-item latency. A sweep's own 'batch' wins.")
 @click.option("--burst", is_flag=True, help="Stop when the queues are empty instead of waiting for more work.")
 @click.option("--queue", "queues", multiple=True, metavar="MODEL|QUEUE",
               help="Serve only this target model's queue (repeatable). Default: the queue of every known model.")
@@ -17,16 +37,20 @@ from polspec.worker import HEARTBEAT_GRACE_S, HEARTBEAT_INTERVAL_S
               help="Seconds between heartbeats while a job runs.")
 @click.option("--heartbeat-grace", default=HEARTBEAT_GRACE_S, hidden=True, type=click.IntRange(1),
               help="Seconds a missed heartbeat is forgiven before a job counts as abandoned.")
-def worker(burst: bool, queues: tuple[str, ...], log_level: str, heartbeat_interval: int, heartbeat_grace: int) -> None:
-    """Run queued generations, one at a time, writing each result to the database.
+def worker(batch: int | None, burst: bool, queues: tuple[str, ...], log_level: str, heartbeat_interval: int, heartbeat_grace: int) -> None:
+    """Run queued generations, writing each result to the database the moment it is done.
 
-    Models stay loaded between jobs. At start the worker re-enqueues items whose worker died.
-    Ctrl+C (or SIGTERM) finishes the current item and stops; a second one stops at once
-    (the item is then run again by the next worker).
+    Items with the same target and draft decode together in one continuous batch (one
+    forward for all of them; a finished item's slot goes to the next queued one), which
+    multiplies throughput on a bandwidth-bound machine. Models stay loaded between jobs. At
+    start the worker re-enqueues items whose worker died. Ctrl+C (or SIGTERM) takes no new
+    items, finishes the ones in flight and stops; a second one stops at once (those items
+    then run again on the next worker).
 
     \b
     Examples:
       polspec worker --burst                 run everything queued, then stop
+      polspec worker --batch 1 --burst       one item at a time (latency runs)
       polspec worker --queue gemma3-270m     serve one target model, wait for more
     """
     from polspec.cli.progress import batch_bar
@@ -43,6 +67,6 @@ def worker(burst: bool, queues: tuple[str, ...], log_level: str, heartbeat_inter
 
     require_current_schema()  # before the progress bar reads the database
     with batch_bar() as redraw:
-        options = WorkerOptions(queues=queues, burst=burst, log_level=log_level,
+        options = WorkerOptions(queues=queues, burst=burst, batch=batch, log_level=log_level,
                                 heartbeat_interval=heartbeat_interval, heartbeat_grace=heartbeat_grace)
         run_worker(options, on_start=started, on_job_end=redraw)

@@ -24,8 +24,9 @@ rounding of batched matrix products (ties, shown by the tests).
 
 from __future__ import annotations
 
+import os
 import time
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
 
 from polspec import backend  # noqa: F401  (before mlx: the Linux BLAS fix)
@@ -35,7 +36,7 @@ import mlx.nn as nn
 
 from polspec.decoding import batch_kv
 from polspec.decoding.commit import Commit
-from polspec.decoding.costmodel import Probe, acceptance_estimate, can_pay
+from polspec.decoding.costmodel import BATCH_SIZES, Probe, acceptance_estimate, can_pay
 from polspec.decoding.metrics import DecodeMetrics
 from polspec.decoding.params import DecodingParams
 from polspec.decoding.policy import DraftLength
@@ -44,6 +45,9 @@ from polspec.decoding.sampling import token_sampler
 from polspec.decoding.speculative import DraftText, settle_round, translate_proposal, translation_tables
 from polspec.errors import PolspecError
 from polspec.models.loader import LoadedModel
+
+# A larger batch is worth it for bulk work while it raises plain throughput by this much.
+BATCH_GAIN = 1.10
 
 # Memory a batch may plan to use, as a share of what is free when the decoder starts: the
 # rest is left for activations, the allocator's cache and other processes.
@@ -69,7 +73,7 @@ class _Sequence:
     policy: DraftLength | None  # None: target-only
     draft_text: DraftText | None
     draft_prompt: list[int] | None
-    sample: object = None
+    sample: Callable[[mx.array], mx.array] | None = None
     eos: set[int] = field(default_factory=set)
     committed: list[int] = field(default_factory=list)
     pending: int = 0
@@ -369,8 +373,6 @@ def free_memory_bytes() -> int:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    import os
-
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") - mx.get_active_memory()
 
 
@@ -392,6 +394,21 @@ def max_batch_size(target: LoadedModel, draft: LoadedModel | None, longest: int,
             f"one sequence of {longest} tokens needs {per_sequence / 1e9:.2f} GB of KV cache and logits, "
             f"but only {budget / 1e9:.2f} GB is free here: shorten the prompt or max_tokens, or free memory")
     return min(fits, cap)
+
+
+def best_batch_size(target: LoadedModel, draft: LoadedModel | None, probe: Probe | None, longest: int) -> int:
+    """The batch size for bulk decoding: the largest measured size whose plain throughput beats
+    the next smaller one's by ``BATCH_GAIN`` (from the probe's batch table; without one, the
+    largest of ``BATCH_SIZES``), capped by what memory holds for ``longest`` tokens a sequence."""
+    best = BATCH_SIZES[-1]
+    if probe is not None and probe.batch:
+        costs = sorted(probe.batch, key=lambda cost: cost.size)
+        best = costs[0].size
+        for smaller, larger in zip(costs, costs[1:]):
+            if larger.size / larger.target_s[0] < BATCH_GAIN * smaller.size / smaller.target_s[0]:
+                break
+            best = larger.size
+    return min(best, max_batch_size(target, draft, longest))
 
 
 def _vocabulary(model: nn.Module) -> int:

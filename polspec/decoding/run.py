@@ -87,14 +87,29 @@ def generate(
     stops decoding (the worker cancels this way).
     """
     metrics = DecodeMetrics()
-    tokens: list[int] = []
-    marks: list[bool] = []
+    transcript = Transcript()
     for commit in stream(target, draft, prompt, params, metrics, chat):
-        tokens += commit.tokens
-        marks += [i < commit.drafted for i in range(len(commit.tokens))]
+        transcript.add(commit)
         if on_commit is not None:
-            on_commit(len(tokens), metrics)
-    return GenerationResult(target.tokenizer.decode(tokens), tokens, _spans(target, tokens, marks), metrics)
+            on_commit(len(transcript.tokens), metrics)
+    return transcript.result(target, metrics)
+
+
+@dataclass
+class Transcript:
+    """The commits of one sequence gathered into a :class:`GenerationResult`; the batched
+    decoder's callers (the worker) collect each sequence's events with one of these too."""
+
+    tokens: list[int] = field(default_factory=list)
+    marks: list[bool] = field(default_factory=list)  # per token: proposed by the draft
+
+    def add(self, commit: Commit) -> None:
+        self.tokens += commit.tokens
+        self.marks += [i < commit.drafted for i in range(len(commit.tokens))]
+
+    def result(self, target: LoadedModel, metrics: DecodeMetrics) -> GenerationResult:
+        return GenerationResult(target.tokenizer.decode(self.tokens), self.tokens,
+                                _spans(target, self.tokens, self.marks), metrics)
 
 
 def _spans(target: LoadedModel, tokens: list[int], marks: list[bool]) -> list[tuple[str, bool]]:

@@ -33,7 +33,7 @@ from polspec.errors import DatabaseFailure, PolspecError
 from polspec.jobs.spec import GenerateSpec
 from polspec.models.loader import LoadedModel
 from polspec.store.engine import display_url
-from polspec.store.items import Claim, claim_item, fail_item, finish_item, is_cancelled
+from polspec.store.items import Claim, cancelled_items, claim_item, fail_item, finish_item
 from polspec.store.schema import Result, Status
 from polspec.worker import context
 from polspec.worker.energy import EnergyReading, measure_energy
@@ -48,13 +48,11 @@ class Cancelled(Exception):
 def run_item(database_id: str, item_id: int) -> dict[str, Any]:
     """Generate item ``item_id`` of database ``database_id``; returns a short summary for RQ."""
     ctx = context.current()
-    if database_id != ctx.database_id:
-        raise PolspecError(f"job for database {database_id}, but this worker writes to {display_url(ctx.engine.url)} "
-                           f"(database {ctx.database_id}): run the worker with the enqueuer's POLSPEC_DB_URL")
+    check_database(ctx, database_id)
     claim = claim_item(ctx.engine, item_id, ctx.me, ctx.lease_s)
     if isinstance(claim, str):
         return {"item": item_id, "skipped": claim}
-    ctx.current_item = item_id
+    ctx.current_items.add(item_id)
     try:
         result = _generate(ctx, claim)
     except Cancelled:
@@ -71,34 +69,58 @@ def run_item(database_id: str, item_id: int) -> dict[str, Any]:
         fail_item(ctx.engine, item_id, ctx.me, f"{type(error).__name__}: {error}", final=final)
         raise
     finally:
-        ctx.current_item = None
+        ctx.current_items.discard(item_id)
         mx.clear_cache()
     stored = finish_item(ctx.engine, item_id, ctx.me, result)
     return {"item": item_id, "stored": stored, "tokens": result.generated_tokens}
+
+
+def check_database(ctx: context.WorkerContext, database_id: str) -> None:
+    if database_id != ctx.database_id:
+        raise PolspecError(f"job for database {database_id}, but this worker writes to {display_url(ctx.engine.url)} "
+                           f"(database {ctx.database_id}): run the worker with the enqueuer's POLSPEC_DB_URL")
+
+
+def load_models(ctx: context.WorkerContext, spec: GenerateSpec) -> tuple[LoadedModel, LoadedModel | None]:
+    """The spec's target and draft from the worker's model cache, each keeping the other loaded."""
+    target = ctx.models.get(spec.target, keep=(spec.draft,) if spec.draft else ())
+    draft = ctx.models.get(spec.draft, keep=(spec.target,)) if spec.draft else None
+    return target, draft
+
+
+def item_probe(target: LoadedModel, draft: LoadedModel | None, params: DecodingParams,
+               batched: bool = False) -> Probe | None:
+    """The pair's probe for an item: measured first if an ``auto`` item needs it (outside the
+    item's timings). Every speculative result records it, so that a report predicts the
+    speedup with its own machine's costs."""
+    if draft is None:
+        return None
+    if params.k == "auto":
+        return stored_probe(target, draft, batched)
+    return load_probe(target.entry.alias, draft.entry.alias)
+
+
+def prompt_of(claim: Claim) -> str | list[dict[str, Any]]:
+    return claim.prompt if claim.prompt is not None else claim.messages
 
 
 def _generate(ctx: context.WorkerContext, claim: Claim) -> Result:
     spec = GenerateSpec.from_dict(claim.spec)
     params = DecodingParams(**claim.params)
     load_start = time.perf_counter()
-    target = ctx.models.get(spec.target, keep=(spec.draft,) if spec.draft else ())
-    draft = ctx.models.get(spec.draft, keep=(spec.target,)) if spec.draft else None
+    target, draft = load_models(ctx, spec)
     load_s = time.perf_counter() - load_start
     probe_start = time.perf_counter()
-    probe = None
-    if draft is not None:
-        # The first auto item on a machine measures the probe, outside its timings. Every
-        # speculative result records it, so a report predicts it with its own machine's costs.
-        probe = stored_probe(target, draft) if params.k == "auto" else load_probe(target.entry.alias, draft.entry.alias)
+    probe = item_probe(target, draft, params)
     probe_s = time.perf_counter() - probe_start
-    prompt = claim.prompt if claim.prompt is not None else claim.messages
+    prompt = prompt_of(claim)
     report = _Progress(ctx, claim.item_id, params.max_tokens)
     mx.reset_peak_memory()
     with measure_energy(ctx.meter, ctx.meter_reason, mx.synchronize) as energy:
         start = time.perf_counter()
         generation = generate(target, draft, prompt, params, spec.chat, on_commit=report)
         generation_s = time.perf_counter() - start
-    return _result_row(spec, target, draft, generation, energy, probe, {
+    return result_row(target, draft, generation, energy, probe, {
         "model_load_s": load_s, "probe_s": probe_s, "generation_s": generation_s, "attempt": claim.attempt,
     })
 
@@ -115,7 +137,7 @@ class _Progress:
         if time.monotonic() < self.next_check:
             return
         self.next_check = time.monotonic() + PROGRESS_INTERVAL_S
-        if is_cancelled(self.ctx.engine, self.item_id):
+        if cancelled_items(self.ctx.engine, [self.item_id]):
             raise Cancelled
         if self.job is not None:
             self.job.meta.update(tokens=tokens, max_tokens=self.max_tokens, rounds=metrics.rounds)
@@ -125,8 +147,9 @@ class _Progress:
                 pass
 
 
-def _result_row(spec: GenerateSpec, target: LoadedModel, draft: LoadedModel | None, generation: GenerationResult,
-                energy: EnergyReading, probe: Probe | None, timings: dict[str, Any]) -> Result:
+def result_row(target: LoadedModel, draft: LoadedModel | None, generation: GenerationResult,
+               energy: EnergyReading, probe: Probe | None, timings: dict[str, Any]) -> Result:
+    """The result row of a finished generation, with its provenance."""
     metrics = generation.metrics
     chosen = backend_setup()
     joules_per_token = (energy.joules / metrics.generated_tokens
@@ -141,6 +164,7 @@ def _result_row(spec: GenerateSpec, target: LoadedModel, draft: LoadedModel | No
         generated_tokens=metrics.generated_tokens,
         decode_tokens_per_s=metrics.decode_tokens_per_s or 0.0,
         acceptance_rate=metrics.acceptance_per_candidate,
+        batch_size=metrics.batch_size,
         energy_joules=energy.joules,
         energy_source=energy.source,
         energy_unavailable_reason=energy.unavailable_reason,

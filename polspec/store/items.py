@@ -101,30 +101,58 @@ def claim_item(engine: Engine, item_id: int, me: Worker, lease_s: float = DEFAUL
         item.last_error = None
         if item.batch.status == Status.QUEUED.value:
             item.batch.status = Status.RUNNING.value
-        spec = dict(item.batch.spec)
-        if item.cell is not None:  # a sweep item: its cell says which draft
-            spec["draft"] = item.cell.config["draft"]
-        return Claim(item.id, item.item_key, item.prompt, item.messages, dict(item.params), spec, item.attempts)
+        return Claim(item.id, item.item_key, item.prompt, item.messages, dict(item.params), _item_spec(item),
+                     item.attempts)
 
 
-def renew_lease(engine: Engine, item_id: int, me: Worker) -> bool:
-    """Refresh the lease on a running item; False if the item is no longer this worker's."""
+def _item_spec(item: Item) -> dict[str, Any]:
+    """The batch's spec as it applies to this item: a sweep item's cell says which draft, and
+    may set the batch size it decodes at."""
+    spec = dict(item.batch.spec)
+    if item.cell is not None:
+        spec["draft"] = item.cell.config["draft"]
+        spec["batch"] = item.cell.config.get("batch")
+    return spec
+
+
+@dataclass(frozen=True)
+class Pairing:
+    """What an item needs from a batched worker: its models, and the batch size it asks for
+    (a sweep cell's ``batch``; None lets the worker choose). Items with equal pairings may
+    decode in one batch."""
+
+    target: str
+    draft: str | None
+    batch: int | None
+
+
+def item_pairings(engine: Engine, item_ids: list[int]) -> dict[int, Pairing]:
+    """The pairing of each item that exists and may still run (queued, or running elsewhere);
+    a read, so that a worker can choose its batch's next items before claiming them."""
     with session_scope(engine) as session:
-        renewed = session.execute(
+        items = session.scalars(select(Item).where(Item.id.in_(item_ids), Item.status.in_(UNFINISHED)))
+        return {item.id: Pairing((spec := _item_spec(item))["target"], spec.get("draft"), spec.get("batch"))
+                for item in items}
+
+
+def renew_leases(engine: Engine, item_ids: list[int], me: Worker) -> int:
+    """Refresh the lease on running items; returns how many are still this worker's."""
+    with session_scope(engine) as session:
+        return session.execute(
             update(Item)
-            .where(Item.id == item_id, Item.status == Status.RUNNING.value,
+            .where(Item.id.in_(item_ids), Item.status == Status.RUNNING.value,
                    Item.worker_host == me.host, Item.worker_pid == me.pid)
             .values(heartbeat_at=utcnow())
         ).rowcount
-    return bool(renewed)
 
 
-def is_cancelled(engine: Engine, item_id: int) -> bool:
+def cancelled_items(engine: Engine, item_ids: list[int]) -> set[int]:
+    """Which of these items (or their batches) are cancelled, or gone from the database."""
     with session_scope(engine) as session:
-        row = session.execute(
-            select(Item.status, Batch.status).join(Batch).where(Item.id == item_id)
-        ).one_or_none()
-    return row is None or Status.CANCELLED.value in row
+        live = dict(session.execute(
+            select(Item.id, Batch.status).join(Batch)
+            .where(Item.id.in_(item_ids), Item.status != Status.CANCELLED.value)).all())
+    return {item_id for item_id in item_ids if live.get(item_id, Status.CANCELLED.value) == Status.CANCELLED.value}
 
 
 def finish_item(engine: Engine, item_id: int, me: Worker, result: Result) -> bool:

@@ -209,7 +209,9 @@ class Result(Base):
 
     ``metrics`` holds every decoder metric; the numeric columns repeat the ones people filter
     and sort by. ``versions`` records package and model versions and hashes, ``timings`` the
-    phases in seconds. ``acceptance_rate`` is NULL without a draft model.
+    phases in seconds. ``acceptance_rate`` is NULL without a draft model. ``batch_size`` is
+    how many sequences the item shared its forwards with, on average over its rounds (1: it
+    decoded alone, a latency run; more: a throughput run).
     """
 
     __tablename__ = "results"
@@ -231,6 +233,7 @@ class Result(Base):
     generated_tokens: Mapped[int]
     decode_tokens_per_s: Mapped[float]
     acceptance_rate: Mapped[float | None]
+    batch_size: Mapped[float] = mapped_column(default=1.0, server_default="1")
     energy_joules: Mapped[float | None]
     energy_source: Mapped[str | None]
     energy_unavailable_reason: Mapped[str | None] = mapped_column(Text)

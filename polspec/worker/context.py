@@ -7,7 +7,7 @@ worker before it takes its first job.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sqlalchemy import Engine
 
@@ -26,7 +26,7 @@ class WorkerContext:
     meter: Meter | None
     meter_reason: str  # what the meter measures, or why there is none
     lease_s: float = DEFAULT_LEASE_S
-    current_item: int | None = None  # the item being generated; its lease is renewed meanwhile
+    current_items: set[int] = field(default_factory=set)  # items being generated: their leases are renewed
 
 
 _current: WorkerContext | None = None

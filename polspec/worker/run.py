@@ -27,10 +27,12 @@ QUEUE_PREFIX = queue_name("")
 @dataclass(frozen=True)
 class WorkerOptions:
     """How a worker runs: which queues (model aliases or queue names; all polspec queues when
-    empty), burst mode (stop when the queues are empty), and its timing."""
+    empty), burst mode (stop when the queues are empty), how many items decode together
+    (``batch``: 1 one at a time, None as many as pay on this machine), and its timing."""
 
     queues: Sequence[str] = ()
     burst: bool = False
+    batch: int | None = None
     heartbeat_interval: int = HEARTBEAT_INTERVAL_S
     heartbeat_grace: int = HEARTBEAT_GRACE_S
     lease_s: float = DEFAULT_LEASE_S
@@ -74,7 +76,7 @@ def run_worker(options: WorkerOptions, *, on_start: Callable[[Requeued, list[str
         worked = False
         while names:
             worker = PolspecWorker(names, connection=connection, heartbeat_interval=options.heartbeat_interval,
-                                   heartbeat_grace=options.heartbeat_grace)
+                                   heartbeat_grace=options.heartbeat_grace, batch=options.batch)
             worker.on_job_end = on_job_end
             worked = worker.work(burst=options.burst, logging_level=options.log_level) or worked
             # A burst worker finishes what the database holds, not only what Redis delivered:

@@ -11,7 +11,10 @@ Why a subclass (facts in ``design/QUEUE.md``):
 - Redis may restart while an item runs. The result is already in the database by then, so
   the worker waits for Redis to come back instead of quitting;
 - only :data:`~polspec.jobs.queue.JOB_FUNCTION` is run: anyone who can write to Redis can name
-  any importable function, and polspec refuses before importing it.
+  any importable function, and polspec refuses before importing it;
+- with ``batch`` other than 1 a job whose item may share forwards starts a continuous batch
+  (:mod:`polspec.worker.batching`), which takes more jobs from the queue itself. RQ's loop
+  still delivers the first job, and handles signals, maintenance and burst mode.
 """
 
 from __future__ import annotations
@@ -29,8 +32,9 @@ from rq.worker import SimpleWorker
 
 from polspec.errors import PolspecError
 from polspec.jobs.queue import JOB_FUNCTION
-from polspec.store.items import renew_lease
+from polspec.store.items import item_pairings, renew_leases
 from polspec.worker import HEARTBEAT_GRACE_S, HEARTBEAT_INTERVAL_S, context
+from polspec.worker.batching import BatchRun, job_item
 
 log = logging.getLogger("polspec.worker")
 
@@ -47,15 +51,21 @@ class PolspecJob(Job):
 
 
 class PolspecWorker(SimpleWorker):
-    """A no-fork worker with a heartbeat thread (see the module docstring)."""
+    """A no-fork worker with a heartbeat thread (see the module docstring).
+
+    ``batch`` is how many items may decode together: 1 runs one job at a time, None lets
+    the batch size follow the probe and memory; a sweep cell's own batch size wins.
+    """
 
     job_class = PolspecJob
 
     def __init__(self, queues, *, connection: redis.Redis, heartbeat_interval: int = HEARTBEAT_INTERVAL_S,
-                 heartbeat_grace: int = HEARTBEAT_GRACE_S, **options):
+                 heartbeat_grace: int = HEARTBEAT_GRACE_S, batch: int | None = 1, **options):
         super().__init__(queues, connection=connection, serializer=JSONSerializer, job_class=PolspecJob,
                          job_monitoring_interval=heartbeat_interval, **options)
         self.heartbeat_grace = heartbeat_grace
+        self.batch = batch
+        self.active: dict[str, tuple[Job, object]] = {}  # job id -> (job, execution): what the heartbeat renews
         self.on_job_end: Callable[[], None] | None = None  # e.g. to redraw a progress bar
 
     def get_heartbeat_ttl(self, job: Job, working_time: float = 0.0) -> int:
@@ -65,12 +75,21 @@ class PolspecWorker(SimpleWorker):
         return int(self.job_monitoring_interval + self.heartbeat_grace)
 
     def execute_job(self, job: Job, queue: Queue) -> None:
-        execution = self.prepare_execution(job)
+        pairing, size = self._batching(job)
         stop = threading.Event()
-        beat = threading.Thread(target=self._beat, args=(job, execution, stop), name="polspec-heartbeat", daemon=True)
+        beat = threading.Thread(target=self._beat, args=(stop,), name="polspec-heartbeat", daemon=True)
         beat.start()
         try:
-            self.perform_job(job, queue, execution)
+            if size == 1:
+                execution = self.prepare_execution(job)
+                self.active[job.id] = (job, execution)
+                self.perform_job(job, queue, execution)
+                self.job_ended()
+            else:
+                run = BatchRun(self, queue, pairing, size)
+                run.run(job)
+                if run.redis_failed:
+                    self._wait_for_redis()
             self.set_state("idle")
         except redis.RedisError as error:
             log.warning("Redis failed after job %s (%s); its item's state is in the database. Waiting for Redis.",
@@ -79,22 +98,37 @@ class PolspecWorker(SimpleWorker):
         finally:
             stop.set()
             beat.join()
-            if self.on_job_end is not None:
-                self.on_job_end()
+            self.active.clear()
 
-    def _beat(self, job: Job, execution, stop: threading.Event) -> None:
+    def job_ended(self) -> None:
+        if self.on_job_end is not None:
+            self.on_job_end()
+
+    def _batching(self, job: Job):
+        """The job's item pairing and the batch size it decodes at (None: chosen by the batch);
+        size 1 for anything that is not a polspec item able to run here, which the plain path
+        refuses or skips as before."""
+        ctx = context.current()
+        item = job_item(job, ctx.database_id)
+        pairing = item_pairings(ctx.engine, [item]).get(item) if item is not None else None
+        if pairing is None:
+            return None, 1
+        return pairing, pairing.batch if pairing.batch is not None else self.batch
+
+    def _beat(self, stop: threading.Event) -> None:
         ctx = context.current()
         while not stop.wait(self.job_monitoring_interval):
-            try:
-                self.maintain_heartbeats(job, execution)
-            except redis.RedisError as error:
-                log.warning("heartbeat to Redis failed: %s", error)
-            item = ctx.current_item
-            if item is not None:
+            for job, execution in self.active.copy().values():
                 try:
-                    renew_lease(ctx.engine, item, ctx.me)
+                    self.maintain_heartbeats(job, execution)
+                except redis.RedisError as error:
+                    log.warning("heartbeat to Redis failed: %s", error)
+            items = sorted(ctx.current_items.copy())
+            if items:
+                try:
+                    renew_leases(ctx.engine, items, ctx.me)
                 except PolspecError as error:
-                    log.warning("renewing the lease of item %s failed: %s", item, error)
+                    log.warning("renewing the leases of items %s failed: %s", items, error)
 
     def _wait_for_redis(self) -> None:
         wait = 0.5

@@ -1,0 +1,283 @@
+"""Continuous batches of queued items: how a batched worker feeds the batched decoder.
+
+RQ hands a worker one job at a time. A batched polspec worker takes the first job from RQ's
+loop as usual, then takes more jobs itself (:func:`take_jobs`): it reads the head of the
+job's queue, keeps the jobs whose items share the first one's
+:class:`~polspec.store.items.Pairing` (same target, same draft, same batch size) and removes
+each from the queue with ``LREM``, which only one of two workers racing for a job can win.
+Items that do not fit stay queued for a later batch.
+
+Per item, what a job run alone guarantees still holds: the item is claimed in the database
+before it joins the batch, its lease and its job's heartbeat are renewed while it decodes,
+and the moment it finishes its result and status are written in one transaction and its job
+goes through RQ's own success or failure handling (results, retries, failure reasons).
+Between rounds the batch drops cancelled items and items past their job's RQ timeout (which
+fail, and retry, as a timed-out job does), and a freed slot takes the next queued item. A
+warm shutdown (the first Ctrl+C) stops taking items and finishes the ones in flight.
+
+Redis is only the delivery channel: if it fails mid-batch, decoding goes on, every result is
+still written to the database, and the jobs' RQ bookkeeping is left to ``recover``.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+import redis
+from rq.executions import Execution
+from rq.job import Job
+from rq.queue import Queue
+from rq.timeouts import JobTimeoutException
+from rq.utils import now
+
+from polspec.decoding.batch import BatchDecoder, SequenceEvent, best_batch_size
+from polspec.decoding.params import DecodingParams
+from polspec.decoding.run import Transcript
+from polspec.errors import PolspecError
+from polspec.jobs.queue import JOB_FUNCTION
+from polspec.jobs.spec import GenerateSpec
+from polspec.jobs.tasks import PROGRESS_INTERVAL_S, item_probe, load_models, prompt_of, result_row
+from polspec.models.loader import LoadedModel
+from polspec.store.items import Claim, Pairing, cancelled_items, claim_item, fail_item, finish_item, item_pairings
+from polspec.store.schema import Status
+from polspec.worker import context
+from polspec.worker.energy import EnergyReading
+
+if TYPE_CHECKING:
+    from polspec.worker.worker import PolspecWorker
+
+log = logging.getLogger("polspec.worker")
+
+SCAN_DEPTH = 256  # queued jobs read per refill when looking for items that fit the batch
+PROMPT_ALLOWANCE = 512  # prompt tokens allowed for per sequence when sizing a batch by memory
+
+ExcInfo = tuple[type[BaseException], BaseException, TracebackType]
+
+
+def job_item(job: Job, database_id: str) -> int | None:
+    """The item id of a polspec job for this database; None for any other job."""
+    if job.func_name != JOB_FUNCTION or len(job.args) != 2 or job.args[0] != database_id:
+        return None
+    return job.args[1] if isinstance(job.args[1], int) else None
+
+
+def take_jobs(queue: Queue, database_id: str, pairing: Pairing, count: int) -> list[Job]:
+    """Up to ``count`` queued jobs of ``queue`` whose items have ``pairing``, removed from the
+    queue in queue order; a job that another worker removes first stays its."""
+    ids = queue.get_job_ids(0, SCAN_DEPTH)
+    jobs = [job for job in Job.fetch_many(ids, connection=queue.connection, serializer=queue.serializer) if job]
+    items = {job.id: job_item(job, database_id) for job in jobs}
+    pairings = item_pairings(context.current().engine, [item for item in items.values() if item is not None])
+    taken: list[Job] = []
+    for job in jobs:
+        if len(taken) == count:
+            break
+        if pairings.get(items[job.id]) == pairing and queue.connection.lrem(queue.key, 1, job.id):
+            taken.append(job)
+    return taken
+
+
+@dataclass
+class _Running:
+    """An item decoding in the batch, and its RQ job."""
+
+    job: Job
+    execution: Execution
+    claim: Claim
+    max_tokens: int
+    deadline: float  # time.monotonic() past which the job's RQ timeout has run out
+    timings: dict[str, Any]
+    joined: float = field(default_factory=time.perf_counter)
+    transcript: Transcript = field(default_factory=Transcript)
+    timed_out: bool = False
+
+
+class BatchRun:
+    """One continuous batch: items of one pairing join and leave until none is in flight and
+    none that fits is queued (see the module docstring). ``max_batch=None`` sizes the batch
+    with :func:`~polspec.decoding.batch.best_batch_size` once the models are loaded."""
+
+    def __init__(self, worker: PolspecWorker, queue: Queue, pairing: Pairing, max_batch: int | None):
+        self.worker, self.queue, self.pairing, self.wanted = worker, queue, pairing, max_batch
+        self.ctx = context.current()
+        self.running: dict[int, _Running] = {}
+        self.decoder: BatchDecoder | None = None
+        self.target: LoadedModel | None = None
+        self.draft: LoadedModel | None = None
+        self.next_check = 0.0
+        self.redis_failed = False
+
+    def run(self, job: Job) -> None:
+        """Decode ``job`` (delivered by RQ's loop) and every job that joins it."""
+        self._start(job, first=True)
+        self._refill()
+        while self.running:
+            try:
+                events = self.decoder.step()
+            except Exception:  # noqa: BLE001 - out of memory and the like: every item in flight fails
+                exc_info = sys.exc_info()
+                for running in list(self.running.values()):
+                    self._fail(running, exc_info)
+                self.running.clear()
+                break
+            for event in events:
+                self._record(event)
+            # Looking for new items costs Redis and database round trips: only when a slot was
+            # freed, or once a second.
+            if self._check() or any(event.finished for event in events):
+                self._refill()
+        mx.clear_cache()
+
+    # --- items joining ----------------------------------------------------------------------
+
+    def _start(self, job: Job, first: bool = False) -> None:
+        """RQ's bookkeeping for a starting job, then the item's claim, and the item joins."""
+        execution = self.worker.prepare_execution(job)
+        self.worker.prepare_job_execution(job, remove_from_intermediate_queue=first and len(self.worker.queues) == 1)
+        job.started_at = now()
+        self.worker.active[job.id] = (job, execution)
+        item_id = job.args[1]
+        claim = claim_item(self.ctx.engine, item_id, self.ctx.me, self.ctx.lease_s)
+        if isinstance(claim, str):
+            self._succeed(job, execution, {"item": item_id, "skipped": claim})
+            return
+        self.ctx.current_items.add(item_id)
+        try:
+            spec, params = GenerateSpec.from_dict(claim.spec), DecodingParams(**claim.params)
+            timings = self._prepare(spec, params)
+            self.decoder.add(item_id, prompt_of(claim), params, spec.chat)
+        except PolspecError as error:  # this item cannot run (a prompt too long, a model that fails to load)
+            self.ctx.current_items.discard(item_id)
+            fail_item(self.ctx.engine, item_id, self.ctx.me, str(error), final=True)
+            self._succeed(job, execution, {"item": item_id, "failed": str(error)})
+            return
+        deadline = time.monotonic() + (job.timeout or Queue.DEFAULT_TIMEOUT)
+        self.running[item_id] = _Running(job, execution, claim, params.max_tokens, deadline,
+                                         timings | {"attempt": claim.attempt})
+
+    def _prepare(self, spec: GenerateSpec, params: DecodingParams) -> dict[str, float]:
+        """Models and decoder (the first item loads them) and the probe the item needs."""
+        clock = time.perf_counter()
+        if self.target is None:
+            self.target, self.draft = load_models(self.ctx, spec)
+        load_s = time.perf_counter() - clock
+        clock = time.perf_counter()
+        probe = item_probe(self.target, self.draft, params, batched=True)
+        probe_s = time.perf_counter() - clock
+        longest = params.max_tokens + PROMPT_ALLOWANCE
+        if self.decoder is None:
+            size = self.wanted or best_batch_size(self.target, self.draft, probe, longest)
+            self.decoder = BatchDecoder(self.target, self.draft, size, probe, longest)
+            log.info("decoding %s%s in batches of up to %d", spec.target, f" + {spec.draft}" if spec.draft else "", size)
+        elif probe is not None and probe.batch:
+            self.decoder.probe = probe
+        return {"model_load_s": load_s, "probe_s": probe_s}
+
+    def _refill(self) -> None:
+        free = self.decoder.max_batch - len(self.running) if self.decoder else 0
+        if free <= 0 or self.worker._stop_requested:
+            return
+        try:
+            jobs = take_jobs(self.queue, self.ctx.database_id, self.pairing, free)
+        except redis.RedisError as error:
+            self._redis_failed(error)
+            return
+        for job in jobs:
+            self._start(job)
+
+    # --- between rounds and leaving ---------------------------------------------------------
+
+    def _check(self) -> bool:
+        """Once a second: drop cancelled items and items past their timeout, publish progress.
+        Returns whether it ran."""
+        if time.monotonic() < self.next_check or not self.running:
+            return False
+        self.next_check = time.monotonic() + PROGRESS_INTERVAL_S
+        for item_id in cancelled_items(self.ctx.engine, list(self.running)):
+            self.decoder.remove(item_id)
+        for item_id, running in self.running.items():
+            if time.monotonic() > running.deadline and not running.timed_out:
+                running.timed_out = True
+                self.decoder.remove(item_id)
+            running.job.meta.update(tokens=len(running.transcript.tokens), max_tokens=running.max_tokens,
+                                    batch=len(self.running))
+        try:
+            for running in self.running.values():
+                running.job.save_meta()
+        except redis.RedisError as error:  # progress is a courtesy; results do not depend on Redis
+            self._redis_failed(error)
+        return True
+
+    def _record(self, event: SequenceEvent) -> None:
+        running = self.running[event.key]
+        if event.commit is not None:
+            running.transcript.add(event.commit)
+        if not event.finished:
+            return
+        del self.running[event.key]
+        self.ctx.current_items.discard(event.key)
+        if running.timed_out:
+            self._fail(running, _timeout(running.job))
+            return
+        if event.metrics.finish_reason == "cancelled":
+            fail_item(self.ctx.engine, event.key, self.ctx.me, "cancelled while running", final=True,
+                      status=Status.CANCELLED)
+            self._succeed(running.job, running.execution, {"item": event.key, "cancelled": True})
+            return
+        generation = running.transcript.result(self.target, event.metrics)
+        energy = EnergyReading(unavailable_reason=self._energy_reason(event.metrics.batch_size))
+        result = result_row(self.target, self.draft, generation, energy, self.decoder.probe if self.draft else None,
+                            running.timings | {"generation_s": time.perf_counter() - running.joined})
+        try:
+            stored = finish_item(self.ctx.engine, event.key, self.ctx.me, result)
+        except Exception:  # noqa: BLE001 - the database's fault, not the item's: RQ tries the job again
+            self._fail(running, sys.exc_info(), record=False)
+            return
+        self._succeed(running.job, running.execution,
+                      {"item": event.key, "stored": stored, "tokens": result.generated_tokens})
+
+    def _energy_reason(self, batch_size: float) -> str:
+        if self.ctx.meter is None:
+            return self.ctx.meter_reason
+        return (f"decoded in a batch of {batch_size:.1f} sequences on average: {self.ctx.meter_reason} "
+                "reads the whole machine, not one item")
+
+    def _succeed(self, job: Job, execution: Execution, summary: dict[str, Any]) -> None:
+        self.worker.active.pop(job.id, None)
+        try:
+            self.worker._finalize_success(job, self.queue, execution, summary)
+        except redis.RedisError as error:
+            self._redis_failed(error)
+        self.worker.job_ended()
+
+    def _fail(self, running: _Running, exc_info: ExcInfo, record: bool = True) -> None:
+        """Fail the item as a job that raised: final on the last RQ attempt, else retried."""
+        self.ctx.current_items.discard(running.claim.item_id)
+        if record:
+            error = exc_info[1]
+            fail_item(self.ctx.engine, running.claim.item_id, self.ctx.me, f"{type(error).__name__}: {error}",
+                      final=not running.job.retries_left)
+        self.worker.active.pop(running.job.id, None)
+        try:
+            self.worker._finalize_failure(running.job, self.queue, running.execution, exc_info)
+        except redis.RedisError as error:
+            self._redis_failed(error)
+        self.worker.job_ended()
+
+    def _redis_failed(self, error: redis.RedisError) -> None:
+        if not self.redis_failed:
+            log.warning("Redis failed mid-batch (%s): decoding goes on, results go to the database", error)
+        self.redis_failed = True
+
+
+def _timeout(job: Job) -> ExcInfo:
+    try:
+        raise JobTimeoutException(f"Task exceeded maximum timeout value ({job.timeout} seconds)")
+    except JobTimeoutException:
+        return sys.exc_info()
