@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/jobs.py --markdown                 # 10,000 items; 30 items of 16 tokens
     .venv/bin/python bench/jobs.py --items 1000 --jobs 10     # a quick look
+    .venv/bin/python bench/jobs.py --markdown --batches 1,4,8 --batch-jobs 16 --batch-tokens 32
 
 1. Enqueueing: ``--items`` prompts through the same path as ``polspec enqueue generate``
    (validation, one database transaction, RQ jobs in pipelines), timed per phase, and the
@@ -37,11 +38,13 @@ from polspec import backend  # noqa: E402,F401  (before mlx: the Linux BLAS fix)
 import redis
 from sqlalchemy import select
 
+from polspec.decoding import generate, stream_batch
 from polspec.decoding.params import DecodingParams
 from polspec.jobs.datasets import load_dataset
 from polspec.jobs.enqueue import enqueue_generate
 from polspec.jobs.local_redis import redis_available
 from polspec.jobs.spec import GenerateSpec, ItemInput, check_models
+from polspec.models.loader import load_model
 from polspec.store.engine import make_engine, session_scope
 from polspec.store.schema import Item, Result
 from polspec.worker.run import WorkerOptions, run_worker
@@ -92,7 +95,7 @@ def bench_worker(jobs: int, tokens: int, url: str) -> dict:
              for index, item in enumerate(synthetic_items(jobs))]
     enqueue_generate(spec, items, queue_url=url)
     ends: list[float] = []
-    run_worker(WorkerOptions(queues=(MODEL,), burst=True, log_level="WARNING"),
+    run_worker(WorkerOptions(queues=(MODEL,), burst=True, batch=1, log_level="WARNING"),
                on_job_end=lambda: ends.append(time.perf_counter()), redis_url=url)
     engine = make_engine()
     with session_scope(engine) as session:
@@ -110,7 +113,46 @@ def bench_worker(jobs: int, tokens: int, url: str) -> dict:
             "median_overhead_fraction": statistics.median(o / g for o, g in zip(overheads, generations, strict=True))}
 
 
-def markdown(machine: dict, enqueue: dict, worker: dict) -> str:
+def bench_batched_worker(jobs: int, tokens: int, batches: list[int], url: str, scratch: Path) -> list[dict]:
+    model = "gemma3-270m"
+    params = DecodingParams(max_tokens=tokens)
+    spec = GenerateSpec(model, None, params, False, "bench")
+    prompts = [item.prompt for item in synthetic_items(jobs)]
+    target = load_model(model)
+    rows = []
+    for batch in batches:
+        start = time.perf_counter()
+        if batch == 1:
+            library = sum(len(generate(target, None, prompt, params, chat=False).token_ids) for prompt in prompts)
+        else:
+            library = sum(len(event.commit.tokens) for event in stream_batch(
+                target, None, [(prompt, params) for prompt in prompts], max_batch=batch, chat=False) if event.commit)
+        library_s = time.perf_counter() - start
+        redis.Redis.from_url(url).flushall()
+        os.environ["POLSPEC_DB_URL"] = f"sqlite:///{scratch / f'batch{batch}.db'}"
+        enqueue_generate(spec, [ItemInput(f"b{index:04d}", prompt) for index, prompt in enumerate(prompts)],
+                         queue_url=url)
+        start = time.perf_counter()
+        run_worker(WorkerOptions(queues=(model,), burst=True, batch=batch, log_level="WARNING"), redis_url=url)
+        worker_s = time.perf_counter() - start
+        engine = make_engine()
+        with session_scope(engine) as session:
+            results = session.execute(select(Result.generated_tokens, Result.timings, Result.batch_size)).all()
+        engine.dispose()
+        assert len(results) == jobs, (len(results), jobs)
+        load_s = sum(row.timings["model_load_s"] for row in results)
+        generated = sum(row.generated_tokens for row in results)
+        assert generated == library, (generated, library)
+        overhead = worker_s - load_s - library_s
+        rows.append({"batch": batch, "jobs": jobs, "tokens": tokens, "worker_s": worker_s, "load_s": load_s,
+                     "library_s": library_s, "tokens_per_s": generated / worker_s,
+                     "mean_batch": statistics.fmean(row.batch_size for row in results),
+                     "overhead_per_item_s": overhead / jobs, "overhead_fraction": overhead / library_s})
+        print(f"batched worker B={batch}: {rows[-1]}", file=sys.stderr)
+    return rows
+
+
+def markdown(machine: dict, enqueue: dict, worker: dict, batched: list[dict]) -> str:
     lines = ["| machine | |", "|---|---|", *(f"| {key} | {value} |" for key, value in machine.items()), "",
              "### Enqueueing", "",
              "| items | prepare (validate) | database + Redis | total | items/s | Redis memory | per item |",
@@ -124,6 +166,16 @@ def markdown(machine: dict, enqueue: dict, worker: dict) -> str:
              f"| {worker['jobs']} | {worker['tokens']} | {worker['median_generation_s'] * 1e3:.0f} ms | "
              f"{worker['median_overhead_s'] * 1e3:.1f} ms | {worker['overhead_fraction']:.2%} | "
              f"{worker['median_overhead_fraction']:.2%} |"]
+    if batched:
+        single = batched[0]["tokens_per_s"]
+        lines += ["", "### The batched worker", "",
+                  "| B | items x tokens | worker wall (incl. load) | model load | library alone | aggregate tok/s "
+                  "| vs first row | mean batch | overhead per item | overhead / library time |",
+                  "|---|---|---|---|---|---|---|---|---|---|",
+                  *(f"| {row['batch']} | {row['jobs']} x {row['tokens']} | {row['worker_s']:.1f} s | {row['load_s']:.1f} s "
+                    f"| {row['library_s']:.1f} s | {row['tokens_per_s']:.1f} | {row['tokens_per_s'] / single:.2f}x "
+                    f"| {row['mean_batch']:.1f} | {row['overhead_per_item_s'] * 1e3:.0f} ms | {row['overhead_fraction']:.1%} |"
+                    for row in batched)]
     return "\n".join(lines)
 
 
@@ -132,6 +184,9 @@ def main() -> None:
     parser.add_argument("--items", type=int, default=10_000)
     parser.add_argument("--jobs", type=int, default=30)
     parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--batches", default="", help="Batch sizes for the batched worker, e.g. 1,4,8 (default: skip).")
+    parser.add_argument("--batch-jobs", type=int, default=16)
+    parser.add_argument("--batch-tokens", type=int, default=32)
     parser.add_argument("--markdown", action="store_true")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
@@ -145,10 +200,13 @@ def main() -> None:
             redis.Redis.from_url(url).flushall()
             os.environ["POLSPEC_DB_URL"] = f"sqlite:///{Path(scratch) / 'worker.db'}"
             worker = bench_worker(args.jobs, args.tokens, url)
+            batches = [int(size) for size in args.batches.split(",") if size]
+            batched = bench_batched_worker(args.batch_jobs, args.batch_tokens, batches, url, Path(scratch))
     if args.markdown:
-        print(markdown(machine_description(), enqueue, worker))
+        print(markdown(machine_description(), enqueue, worker, batched))
     else:
-        print(json.dumps({"machine": machine_description(), "enqueue": enqueue, "worker": worker}, indent=1))
+        print(json.dumps({"machine": machine_description(), "enqueue": enqueue, "worker": worker,
+                          "batched_worker": batched}, indent=1))
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from polspec.store.items import Worker, claim_item
 from polspec.store.migrate import upgrade
 from polspec.store.schema import Item, Result
 from polspec.worker.run import WorkerOptions, run_worker
+from conftest import sqlite_url
 
 PROMPTS = [
     "Jaka jest stolica Czech?", "Ile nóg ma pająk?", "Kto napisał „Pana Tadeusza”?", "Gdzie leży Zakopane?",
@@ -93,7 +94,7 @@ def test_twelve_prompts_end_to_end_with_exports(any_db_env, tmp_path, gemma3):
     code, output = cli(env, "status", str(batch), "--json")
     progress = json.loads(output)
     assert progress["status"] == "done" and progress["done"] == 12 and progress["queued"] == 0
-    assert progress["tokens_per_s"] > 0
+    assert progress["tokens_per_s"] > 0 and progress["aggregate_tokens_per_s"] > 0
     code, output = cli(env, "status", "--watch", "--interval", "0.1")  # returns once nothing is left to run
     assert code == 0 and "e2e" in output and "100%" in output
 
@@ -254,12 +255,49 @@ def test_a_job_from_another_database_is_not_run_against_this_one(env, tmp_path):
 @pytest.mark.slow
 def test_demo_runs_the_main_job_with_a_private_redis(home_with_models, tmp_path, closed_port):
     env = {"POLSPEC_DB_URL": f"sqlite:///{tmp_path / 'demo.db'}", "POLSPEC_REDIS_URL": f"redis://127.0.0.1:{closed_port}/0"}
-    code, output = cli(env, "demo", "--limit", "2", "--max-tokens", "4")
+    code, output = cli(env, "demo", "--limit", "2", "--max-tokens", "4", "--batch", "2")
     assert code == 0, output
     assert "started a private redis-server" in output and "wiki-001" in output and "wiki-002" in output
+    assert "batched, 2 at a time:" in output and "one at a time:" in output and "2 of 2 texts are identical" in output
     assert f"results are in sqlite:///{tmp_path / 'demo.db'}" in output
     assert (home_with_models / "redis" / "appendonlydir").is_dir()  # AOF on, data under POLSPEC_HOME
     with pytest.raises(redis.ConnectionError):  # and stopped afterwards
         redis.Redis.from_url(env["POLSPEC_REDIS_URL"]).ping()
-    stored = results_by_key(env)
-    assert sorted(stored) == ["wiki-001", "wiki-002"] and all(item.status == "done" for item, _ in stored.values())
+    engine = make_engine(env["POLSPEC_DB_URL"])
+    with session_scope(engine) as session:
+        done = session.execute(select(Item.batch_id, Item.item_key, Item.status, Result.batch_size).join(Result)).all()
+    engine.dispose()
+    assert sorted(done) == [(1, "wiki-001", "done", 2.0), (1, "wiki-002", "done", 2.0),
+                            (2, "wiki-001", "done", 1.0), (2, "wiki-002", "done", 1.0)]
+
+
+@pytest.mark.slow
+def test_batched_worker_gives_the_texts_of_one_at_a_time(tmp_path, redis_url):
+    """Target-only and speculative items in one queue, finishing at different rounds (their own
+    max_tokens), decoded by --batch 4 and by --batch 1 into two databases: the same texts."""
+    rows = [{"id": f"q{i}", "prompt": prompt, "max_tokens": 6 + 5 * (i % 3)} for i, prompt in enumerate(PROMPTS[:6])]
+    source = tmp_path / "prompts.jsonl"
+    source.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
+    texts = {}
+    for batch in (4, 1):
+        redis.Redis.from_url(redis_url).flushall()
+        env = {"POLSPEC_DB_URL": sqlite_url(tmp_path / f"batch{batch}"), "POLSPEC_REDIS_URL": redis_url}
+        for draft in ("none", "smollm2-135m"):
+            code, output = cli(env, "enqueue", "generate", "--input", str(source), "--target", "gemma3-270m",
+                               "--draft", draft, "--raw", "--name", f"draft-{draft}")
+            assert code == 0, output
+        assert work(env, batch=batch)
+        engine = make_engine(env["POLSPEC_DB_URL"])
+        with session_scope(engine) as session:
+            stored = session.execute(select(Item, Result).join(Result, Result.item_id == Item.id)).all()
+        engine.dispose()
+        assert len(stored) == 12 and all(item.attempts == 1 for item, _ in stored)
+        texts[batch] = {(item.batch_id, item.item_key): result.token_ids for item, result in stored}
+        max_tokens = {row["id"]: row["max_tokens"] for row in rows}
+        assert all(result.generated_tokens == max_tokens[item.item_key] for item, result in stored)  # no early EOS
+        sizes = [result.batch_size for _, result in stored]
+        if batch == 1:
+            assert sizes == [1.0] * 12
+        else:  # six items per pairing, four at a time: every item shared forwards, none with the other pairing
+            assert all(1 < size <= 4 for size in sizes), sizes
+    assert texts[4] == texts[1]

@@ -61,10 +61,32 @@ def test_expansion_counts_baselines_and_drift_fair_order():
     assert {item.item.overrides["partial_word"] for item in held.items} == {"hold"}
 
 
+def test_a_sweep_file_may_leave_out_every_grid_key_but_drafts_and_datasets():
+    plan = expand_sweep({"target": "gemma3-270m", "drafts": ["smollm2-135m"], "datasets": ["pl-short"],
+                         "limit": 2, "max_tokens": 8}, "short.toml")
+    assert [cell.key for cell in plan.cells] == ["pl-short/baseline/s0", "pl-short/smollm2-135m/aligned/k2/p5/s0"]
+    assert [cell.config["batch"] for cell in plan.cells] == [1, 1]
+    assert len(plan.items) == 2 * 2  # no repeats beyond the first
+
+
+def test_batch_sizes_are_a_grid_dimension_enqueued_chunk_by_chunk():
+    plan = expand_sweep(config(strategies=["aligned"], k=[2], seeds=[0], repeats=None, batch=[1, 2],
+                               datasets=[{"name": "pl-short", "limit": 4}]), "test.toml")
+    assert [cell.key for cell in plan.cells] == [
+        "pl-short/baseline/s0", "pl-short/smollm2-135m/aligned/k2/p5/s0",
+        "pl-short/baseline/s0/b2", "pl-short/smollm2-135m/aligned/k2/p5/s0/b2"]
+    assert [cell.config["batch"] for cell in plan.cells] == [1, 1, 2, 2]
+    # Two prompts (the largest batch) at a time, each cell's items of them in a row.
+    first = [(item.cell.rsplit("/", 1)[-1], item.key.split("/")[-2]) for item in plan.items[:8]]
+    assert first == [("s0", "short-001"), ("s0", "short-002")] * 2 + [("b2", "short-001"), ("b2", "short-002")] * 2
+    assert len(plan.items) == 4 * 4
+
+
 @pytest.mark.parametrize(("changes", "message"), [
     ({"drafs": ["x"]}, "test.toml: unknown key 'drafs'"),
     ({"k": []}, "test.toml: 'k' must be a non-empty list"),
-    ({"strategies": None}, "test.toml: 'strategies' is missing"),
+    ({"drafts": None}, "test.toml: 'drafts' is missing"),
+    ({"batch": [0]}, "test.toml: every 'batch' size must be a whole number of at least 1, got 0"),
     ({"datasets": ["pl-nowe"]}, "test.toml: 'datasets': unknown dataset 'pl-nowe'"),
     ({"k": [0]}, "test.toml: k must be between 1 and 16, got 0"),
     ({"strategies": ["exact"]}, "test.toml: unknown strategy 'exact'"),
@@ -184,9 +206,10 @@ def test_small_sweep_runs_resumes_and_reports_numbers_recomputable_by_hand(env, 
     assert json.loads(output.splitlines()[0])["kind"] == "sweep"
 
 
-def report_row(draft: str, strategy: str, k: str, speedup: float | None, predicted: float | None = None) -> Row:
-    return Row("pl-wiki", draft, strategy, k, 5, 20, None, None, None, None, None, speedup, None, None, None, None,
-               predicted, None)
+def report_row(draft: str, strategy: str, k: str, speedup: float | None, predicted: float | None = None,
+               batch: int = 1) -> Row:
+    return Row("pl-wiki", draft, strategy, k, 5, batch, 20, None, None, None, None, None, speedup, None, None, None,
+               None, None, None, predicted, None)
 
 
 def test_headline_picks_the_fastest_cell_compares_auto_per_pair_and_finds_the_worst_prediction():
@@ -216,10 +239,10 @@ def test_repeats_of_a_prompt_are_averaged_before_the_interval_over_prompts():
     def result(tokens_per_s: float) -> Result:
         return Result(decode_tokens_per_s=tokens_per_s, metrics={"generated_tokens": 8, "rounds": 4})
 
-    members = [(("pl-wiki", 0, "a/r0"), result(2.0)), (("pl-wiki", 0, "a/r1"), result(4.0)),
-               (("pl-wiki", 0, "b/r0"), result(2.0)), (("pl-wiki", 0, "b/r1"), result(2.0))]
+    members = [(("pl-wiki", 0, 1, "a/r0"), result(2.0)), (("pl-wiki", 0, 1, "a/r1"), result(4.0)),
+               (("pl-wiki", 0, 1, "b/r0"), result(2.0)), (("pl-wiki", 0, 1, "b/r1"), result(2.0))]
     baseline = {pair: 2.0 for pair, _ in members}
-    row = cell_row(("pl-wiki", "gemma3-270m", "aligned", "2", 5), members, baseline, None)
+    row = cell_row(("pl-wiki", "gemma3-270m", "aligned", "2", 5, 1), members, baseline, None)
     per_prompt = [1.5, 1.0]  # a: (1 + 2) / 2, b: (1 + 1) / 2
     half = 12.706 * statistics.stdev(per_prompt) / 2 ** 0.5  # t(0.975, 1 degree of freedom)
     assert row.prompts == 2
@@ -291,8 +314,8 @@ def test_each_result_is_predicted_with_the_probe_of_the_machine_that_ran_it():
                                "probe": recorded.as_dict() if recorded else None})
 
     fast, slow, here = probe(0.2), probe(0.5), probe(0.3)
-    members = [(("pl-wiki", 0, "w1/r0"), result(fast, 8)), (("pl-wiki", 0, "w2/r0"), result(fast, 12)),
-               (("pl-wiki", 0, "w3/r0"), result(slow, 6)), (("pl-wiki", 0, "w4/r0"), result(None, 4))]
+    members = [(("pl-wiki", 0, 1, "w1/r0"), result(fast, 8)), (("pl-wiki", 0, 1, "w2/r0"), result(fast, 12)),
+               (("pl-wiki", 0, 1, "w3/r0"), result(slow, 6)), (("pl-wiki", 0, 1, "w4/r0"), result(None, 4))]
     by_machine = [
         (predicted_speedup_of_rounds(fast, 20 / (20 + 6 + 4), 2, 1.0, 20, 0), 2),  # w1 + w2: 20 accepted, 10 rejections
         (predicted_speedup_of_rounds(slow, 6 / (6 + 7), 2, 1.0, 10, 0), 1),
@@ -308,6 +331,33 @@ def test_each_result_is_predicted_with_the_probe_of_the_machine_that_ran_it():
     # plainly there, which the model predicts as speedup 1.
     plain = Result(metrics={"rounds": 12, "plain_rounds": 12, "draft_tokens": 0, "candidates": 0,
                             "candidates_accepted": 0, "rejections": 0, "probe": slow.as_dict()})
-    auto = [members[0], (("pl-wiki", 0, "w5/r0"), plain)]
+    auto = [members[0], (("pl-wiki", 0, 1, "w5/r0"), plain)]
     expected_auto = (predicted_speedup_of_rounds(fast, 8 / (8 + 6), 2, 1.0, 10, 0) + 1.0) / 2
     assert predicted_speedup_of_cell("auto", auto, None) == pytest.approx(expected_auto)
+
+
+@pytest.mark.slow
+def test_a_sweep_over_batch_sizes_decodes_each_cell_in_its_batches_and_reports_throughput(env, tmp_path):
+    sweep_file = tmp_path / "batched.toml"
+    sweep_file.write_text('target = "gemma3-270m"\ndrafts = ["smollm2-135m"]\nbatch = [1, 3]\n'
+                          'datasets = [{ name = "pl-short", limit = 3 }]\nmax_tokens = 6\nraw = true\n')
+    code, output = cli(env, "enqueue", "sweep", "--config", str(sweep_file), "--json")
+    assert code == 0 and json.loads(output)["items"] == 4 * 3, output
+    sweep = json.loads(output)["batch"]
+    start_worker(env, "--burst", "--batch", "8").communicate(timeout=300)  # the cells' own batch sizes win
+    rows = stored(env)
+    assert all(result is not None for _, _, result in rows.values())
+    for cell, _, result in rows.values():
+        if cell.config["batch"] == 1:
+            assert result.batch_size == 1.0
+        else:  # three items of one cell, decoded together and with no other cell's
+            assert 1 < result.batch_size <= 3, (cell.key, result.batch_size)
+
+    code, output = cli(env, "report", str(sweep), "--plots", str(tmp_path / "plots"))
+    assert code == 0, output
+    assert "| B | agg tok/s | agg speedup |" in output
+    assert (tmp_path / "plots" / "speedup-by-batch.png").read_bytes().startswith(b"\x89PNG")
+    code, output = cli(env, "report", str(sweep), "--format", "json")
+    report_rows = json.loads(output)["rows"]
+    assert sorted(row["batch"] for row in report_rows) == [1, 3]
+    assert all(row["aggregate_tokens_per_s"] > 0 and row["aggregate_speedup"] > 0 for row in report_rows)

@@ -5,20 +5,23 @@ from __future__ import annotations
 import click
 
 DEMO_TARGET = "gemma3-270m"
-DEMO_DRAFT = "smollm2-135m"
 DEMO_DATASET = "pl-wiki"
 
 
 @click.command()
-@click.option("--limit", default=6, show_default=True, type=click.IntRange(1), help="Prompts from the dataset.")
+@click.option("--limit", default=8, show_default=True, type=click.IntRange(1), help="Prompts from the dataset.")
 @click.option("--max-tokens", default=32, show_default=True, type=click.IntRange(1), help="Tokens per prompt.")
-def demo(limit: int, max_tokens: int) -> None:
-    """Fetch the offline models, queue Polish prompts, run a worker, show the results.
+@click.option("--batch", default=8, show_default=True, type=click.IntRange(1),
+              help="Items the bulk worker decodes together.")
+def demo(limit: int, max_tokens: int, batch: int) -> None:
+    """Fetch the offline model, run a small bulk job batched and one at a time, compare.
 
-    Queues the first --limit prompts of the built-in pl-wiki set for gemma3-270m with the
-    smollm2-135m draft (k=2, aligned translation), runs a burst worker with a progress
-    bar, and prints the results and where the database is. Starts a private redis-server when
-    none is reachable at POLSPEC_REDIS_URL, and stops it afterwards.
+    Queues the first --limit prompts of the built-in pl-wiki set for gemma3-270m twice: once
+    for a worker that decodes --batch items together, once for a worker that decodes one at a
+    time (what a plain generate loop does). Runs both, prints the aggregate tokens/s of each,
+    measured side by side in this run with model loading included, then the bulk job's
+    results and where the database is. Starts a private redis-server when none is reachable
+    at POLSPEC_REDIS_URL, and stops it afterwards.
     """
     from polspec.cli.progress import batch_bar, progress_bar
     from polspec.cli.results import list_command
@@ -29,26 +32,44 @@ def demo(limit: int, max_tokens: int) -> None:
     from polspec.jobs.spec import GenerateSpec
     from polspec.models.loader import fetch_model
     from polspec.models.registry import load_registry
-    from polspec.store.engine import display_url
+    from polspec.store.engine import display_url, make_engine
     from polspec.store.migrate import ensure_schema
+    from polspec.store.queries import batch_progress, item_rows
     from polspec.worker.run import WorkerOptions, run_worker
 
-    registry = load_registry()
-    for alias in (DEMO_TARGET, DEMO_DRAFT):
-        with progress_bar(f"fetching {alias}") as report:
-            fetch_model(registry.model(alias), report)
+    with progress_bar(f"fetching {DEMO_TARGET}") as report:
+        fetch_model(load_registry().model(DEMO_TARGET), report)
     ensure_schema()
+    params = DecodingParams(max_tokens=max_tokens)
+    prompts = load_dataset(DEMO_DATASET, params, limit)
+    runs = {}
     with redis_available() as started:
         if started:
             click.echo("no Redis was running: started a private redis-server for this demo", err=True)
-        params = DecodingParams(max_tokens=max_tokens, k=2)
-        spec = GenerateSpec(DEMO_TARGET, DEMO_DRAFT, params, None, f"dataset:{DEMO_DATASET}")
-        done = enqueue_generate(spec, load_dataset(DEMO_DATASET, params, limit))
-        click.echo(f"batch {done.batch_id}: {done.added} Polish prompts queued for {DEMO_TARGET} "
-                   f"with the {DEMO_DRAFT} draft", err=True)
-        with batch_bar() as redraw:
-            run_worker(WorkerOptions(queues=(DEMO_TARGET,), burst=True, log_level="WARNING"), on_job_end=redraw)
-    click.get_current_context().invoke(list_command, batch_id=done.batch_id, status=None, limit=0, as_json=False)
+        for size, name in ((batch, f"batched, {batch} at a time"), (1, "one at a time")):
+            spec = GenerateSpec(DEMO_TARGET, None, params, None, f"dataset:{DEMO_DATASET}")
+            queued = enqueue_generate(spec, prompts)
+            click.echo(f"batch {queued.batch_id}: {queued.added} Polish prompts for {DEMO_TARGET}, "
+                       f"decoded {name}", err=True)
+            with batch_bar() as redraw:
+                run_worker(WorkerOptions(queues=(DEMO_TARGET,), burst=True, batch=size, log_level="WARNING"),
+                           on_job_end=redraw)
+            runs[name] = queued.batch_id
+    engine = make_engine()
+    try:
+        rates = {name: batch_progress(engine, batch_id)[0].aggregate_tokens_per_s for name, batch_id in runs.items()}
+        texts = [[row["text"] for row in item_rows(engine, batch_id)] for batch_id in runs.values()]
+    finally:
+        engine.dispose()
+    bulk, single = rates.values()
+    click.echo("\naggregate throughput, same prompts, same weights, this run (model loading included):")
+    for name, rate in rates.items():
+        click.echo(f"  {name:>22}: {rate or 0:6.1f} tokens/s")
+    if bulk and single:
+        click.echo(f"  batching is {bulk / single:.1f}x faster; "
+                   f"{sum(a == b for a, b in zip(*texts))} of {len(texts[0])} texts are identical")
+    bulk_batch = next(iter(runs.values()))
+    click.get_current_context().invoke(list_command, batch_id=bulk_batch, status=None, limit=0, as_json=False)
     click.echo(f"results are in {display_url()}")
-    click.echo(f"next: polspec results show {done.batch_id} wiki-001 | polspec results export {done.batch_id} "
-               "--format csv --output wyniki.csv | polspec status")
+    click.echo(f"next: polspec results show {bulk_batch} wiki-001 | polspec results export {bulk_batch} "
+               "--format csv --output wyniki.csv | polspec status | polspec generate --help (speculative decoding)")

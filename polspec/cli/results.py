@@ -49,13 +49,13 @@ def list_command(batch_id: int | None, status: str | None, limit: int, as_json: 
         click.echo("no items match")
         return
     table = Table()
-    for heading in ("batch", "id", "status", "text", "tokens", "tok/s", "accept"):
+    for heading in ("batch", "id", "status", "text", "tokens", "tok/s", "B", "accept"):
         table.add_column(heading, overflow="fold" if heading == "text" else "ellipsis")
     for row in rows:
         text = row["text"] if row["text"] is not None else (row["error"] or "")
         table.add_row(str(row["batch"]), row["id"], row["status"], " ".join(text.split())[:80],
                       _number(row["generated_tokens"], "{}"), _number(row["decode_tokens_per_s"], "{:.1f}"),
-                      _number(row["acceptance_rate"], "{:.0%}"))
+                      _number(row["batch_size"], "{:.1f}"), _number(row["acceptance_rate"], "{:.0%}"))
     output_console().print(table)
 
 
@@ -81,7 +81,7 @@ def show_command(batch_id: int, item_id: str, as_json: bool) -> None:
         click.echo(f"text: {detail['text']}")
         metrics = detail["metrics"]
         shown = {key: metrics.get(key) for key in ("generated_tokens", "decode_tokens_per_s", "acceptance_per_candidate",
-                                                    "tokens_per_round", "rounds", "prefill_s", "decode_s")}
+                                                    "tokens_per_round", "rounds", "batch_size", "prefill_s", "decode_s")}
         click.echo("metrics: " + ", ".join(f"{key}={value:.3g}" if isinstance(value, float) else f"{key}={value}"
                                             for key, value in shown.items() if value is not None))
         energy = (f"{detail['energy_joules']:.3g} J ({detail['energy_source']})" if detail["energy_joules"] is not None

@@ -23,6 +23,10 @@ def status(batch_id: int | None, watch: bool, interval: float, as_json: bool) ->
     """Show every batch and sweep (newest first), or one: items done, failed, running, queued,
     speed, time left.
 
+    "tok/s" is the throughput of the whole run (every token over the wall time its items were
+    decoding, so items decoded together add up), "seq tok/s" the decode speed of one sequence;
+    the time left is at the run's pace so far.
+
     \b
     Examples:
       polspec status
@@ -55,18 +59,21 @@ def _table(batches: list[BatchProgress]) -> Table | str:
         return "no batches yet: polspec enqueue generate --help shows how to add one"
     table = Table(title="polspec batches")
     for heading in ("batch", "kind", "name", "status", "models", "progress", "done", "failed", "running", "queued",
-                    "tok/s", "ETA"):
+                    "tok/s", "seq tok/s", "ETA"):
         table.add_column(heading, justify="right" if heading in ("batch", "done", "failed", "running", "queued",
-                                                                 "tok/s") else "left")
+                                                                 "tok/s", "seq tok/s") else "left")
     for batch in batches:
         share = batch.finished / batch.total if batch.total else 0.0
         bar = "█" * round(share * 12) + "░" * (12 - round(share * 12))
         models = batch.target + (f" + {batch.draft}" if batch.draft else " + drafts" if batch.kind == "sweep" else "")
-        speed = f"{batch.tokens_per_s:.1f}" if batch.tokens_per_s else "-"
         table.add_row(str(batch.id), batch.kind, batch.name or "", batch.status, models, f"{bar} {share:4.0%}",
                       *(str(batch.counts.get(s, 0)) for s in ("done", "failed", "running", "queued")),
-                      speed, _duration(batch.eta_s))
+                      _rate(batch.aggregate_tokens_per_s), _rate(batch.tokens_per_s), _duration(batch.eta_s))
     return table
+
+
+def _rate(tokens_per_s: float | None) -> str:
+    return f"{tokens_per_s:.1f}" if tokens_per_s else "-"
 
 
 def _duration(seconds: float | None) -> str:

@@ -1,27 +1,33 @@
 """Evaluation sweeps: a TOML grid expanded into cells and items, enqueued in a drift-fair order.
 
-A sweep file names one target and the grid to run on it::
+A sweep file names one target, its drafts and datasets, and the grid to run on them; every
+other key may be left out and takes the default shown in the comment::
 
     name = "offline"                            # optional; re-running a named sweep resumes it
     target = "qwen2.5-coder-1.5b"
     drafts = ["gemma3-270m", "smollm2-135m"]
-    strategies = ["naive", "context", "aligned"]
-    k = [1, 2, 3, 4, 6, "auto"]                 # numbers and policy names (heuristic, confidence, auto)
-    prefix = [5]
+    strategies = ["naive", "context", "aligned"]  # default ["aligned"]
+    k = [1, 2, 3, 4, 6, "auto"]                 # numbers and policy names (heuristic, confidence, auto); default [2]
+    prefix = [5]                                # default [5]
     datasets = ["pl-wiki", "pl-instruct", { name = "pl-short", limit = 10 }]
     limit = 20                                  # items per dataset unless the dataset says otherwise
     max_tokens = 64
     temperature = 0.0
     partial_word = "verify"                     # or "hold" (aligned only; see polspec.decoding.translate)
-    seeds = [0]
-    repeats = 1
+    seeds = [0]                                 # default [0]
+    repeats = 1                                 # default 1
+    batch = [1]                                 # items decoded together, default [1]; [1, 4, 8] measures throughput
     raw = true                                  # continue text instead of the chat templates
 
-A *cell* is one configuration (dataset, draft, strategy, k, prefix, seed); every dataset and
-seed also gets a target-only *baseline* cell. An *item* is one prompt in one cell (and one
-repeat). Items are enqueued prompt by prompt: the baseline item of a prompt, then every
-speculative cell's item for the same prompt, so that machine drift (thermal throttling, other
-load) hits baseline and speculation alike, and the target and drafts stay resident throughout.
+A *cell* is one configuration (dataset, draft, strategy, k, prefix, seed, batch); every
+dataset, seed and batch size also gets a target-only *baseline* cell. An *item* is one prompt
+in one cell (and one repeat). Items are enqueued prompt by prompt: the baseline item of a
+prompt, then every speculative cell's item for the same prompt, so that machine drift (thermal
+throttling, other load) hits baseline and speculation alike, and the target and drafts stay
+resident throughout. With batch sizes above 1 they go chunk by chunk instead, a chunk being as
+many prompts as the largest batch: each cell's items of a chunk in a row, so that a batched
+worker finds them together (a cell's items only ever share a batch with their own cell).
+Batch 1 is the default, so that per-sequence speedups stay comparable to the study.
 """
 
 from __future__ import annotations
@@ -42,9 +48,11 @@ from polspec.jobs.spec import GenerateSpec, ItemInput, check_models
 # Decoding parameters a sweep sets once for all its cells.
 SWEEP_PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "partial_word")
 SWEEP_KEYS = {"name", "target", "drafts", "strategies", "k", "prefix", "datasets", "limit", *SWEEP_PARAMS,
-              "seeds", "repeats", "raw"}
+              "seeds", "repeats", "batch", "raw"}
 DATASET_KEYS = {"name", "limit"}
-GRID_KEYS = ("drafts", "strategies", "k", "prefix", "datasets", "seeds")
+GRID_KEYS = ("drafts", "strategies", "k", "prefix", "datasets", "seeds", "batch")
+# What a sweep file may leave out: the command line's defaults. `drafts` and `datasets` it must name.
+GRID_DEFAULTS = {"strategies": ["aligned"], "k": [2], "prefix": [5], "seeds": [0], "batch": [1]}
 
 
 @dataclass(frozen=True)
@@ -94,6 +102,8 @@ def expand_sweep(config: dict[str, Any], source: str) -> SweepPlan:
     grid = {key: _list(config, key, source) for key in GRID_KEYS if key != "datasets"}
     datasets = _datasets(config, source)
     repeats = _at_least_one(config.get("repeats", 1), "'repeats'", source)
+    for size in grid["batch"]:
+        _at_least_one(size, "every 'batch' size", source)
     base = _params(config, source, k=2, strategy="aligned", prefix=5, seed=None)
     raw = config.get("raw", False)
     if not isinstance(raw, bool):
@@ -109,31 +119,38 @@ def expand_sweep(config: dict[str, Any], source: str) -> SweepPlan:
                      [item for items in prompts.values() for item in items])
 
     plan = SweepPlan(config.get("name") or _default_name(config), spec, dict(config))
-    per_prompt: dict[str, list[CellPlan]] = {}
-    for (dataset, _), seed in product(datasets, grid["seeds"]):
-        baseline = CellPlan(f"{dataset}/baseline/s{seed}", {"dataset": dataset, "draft": None, "seed": seed}, True,
+    per_dataset: dict[str, list[CellPlan]] = {}
+    for (dataset, _), seed, batch in product(datasets, grid["seeds"], grid["batch"]):
+        # Batch 1 keeps the cell keys sweeps had before batching, so that they still resume.
+        size = "" if batch == 1 else f"/b{batch}"
+        baseline = CellPlan(f"{dataset}/baseline/s{seed}{size}",
+                            {"dataset": dataset, "draft": None, "seed": seed, "batch": batch}, True,
                             _params(config, source, k=2, strategy="aligned", prefix=5, seed=seed))
         cells = [baseline]
         for draft, strategy, k, prefix in product(grid["drafts"], grid["strategies"], grid["k"], grid["prefix"]):
             cells.append(CellPlan(
-                f"{dataset}/{draft}/{strategy}/k{k}/p{prefix}/s{seed}",
-                {"dataset": dataset, "draft": draft, "strategy": strategy, "k": k, "prefix": prefix, "seed": seed},
+                f"{dataset}/{draft}/{strategy}/k{k}/p{prefix}/s{seed}{size}",
+                {"dataset": dataset, "draft": draft, "strategy": strategy, "k": k, "prefix": prefix, "seed": seed,
+                 "batch": batch},
                 False, _params(config, source, k=k, strategy=strategy, prefix=prefix, seed=seed)))
-        per_prompt.setdefault(dataset, []).extend(cells)
+        per_dataset.setdefault(dataset, []).extend(cells)
         plan.cells.extend(cells)
+    chunk = max(grid["batch"])
     for dataset, _ in datasets:
-        for item, repeat in product(prompts[dataset], range(repeats)):
-            for cell in per_prompt[dataset]:
-                key = f"{cell.key}/{item.key}/r{repeat}"
-                plan.items.append(ItemPlan(cell.key, key, ItemInput(key, item.prompt, item.messages,
-                                                                     cell.params.as_dict())))
+        runs = list(product(prompts[dataset], range(repeats)))
+        for start in range(0, len(runs), chunk):
+            for cell in per_dataset[dataset]:
+                for item, repeat in runs[start:start + chunk]:
+                    key = f"{cell.key}/{item.key}/r{repeat}"
+                    plan.items.append(ItemPlan(cell.key, key, ItemInput(key, item.prompt, item.messages,
+                                                                         cell.params.as_dict())))
     return plan
 
 
 def _list(config: dict[str, Any], key: str, source: str) -> list:
     if key not in config:
-        if key == "seeds":
-            return [0]
+        if key in GRID_DEFAULTS:
+            return GRID_DEFAULTS[key]
         raise PolspecError(f"{source}: '{key}' is missing")
     values = config[key]
     if not isinstance(values, list) or not values:

@@ -1,5 +1,6 @@
-"""PNG plots of a sweep: speedup against k per dataset, acceptance by strategy and draft, and
-the cost model's predicted speedup against the measured one."""
+"""PNG plots of a sweep: speedup against k per dataset, acceptance by strategy and draft, the
+cost model's predicted speedup against the measured one, and for a sweep over batch sizes the
+aggregate speedup against the batch size per draft."""
 
 from __future__ import annotations
 
@@ -20,7 +21,10 @@ from polspec.report.summary import SweepReport  # noqa: E402
 def write_plots(report: SweepReport, directory: Path) -> list[Path]:
     """Write the plots into ``directory`` (created) and return their paths."""
     directory.mkdir(parents=True, exist_ok=True)
-    return [_speedup_by_k(report, directory), _acceptance(report, directory), _predicted(report, directory)]
+    plots = [_speedup_by_k(report, directory), _acceptance(report, directory), _predicted(report, directory)]
+    if report.batched:
+        plots.append(_speedup_by_batch(report, directory))
+    return plots
 
 
 def _speedup_by_k(report: SweepReport, directory: Path) -> Path:
@@ -31,11 +35,12 @@ def _speedup_by_k(report: SweepReport, directory: Path) -> Path:
         for row in report.rows:
             if row.dataset == dataset and row.k.isdigit() and row.speedup is not None:
                 low, high = (math.nan, math.nan) if row.speedup_low is None else (row.speedup_low, row.speedup_high)
-                lines[(row.draft, row.strategy)].append((int(row.k), row.speedup, low, high))
-        for (draft, strategy), points in sorted(lines.items()):
+                lines[(row.draft, row.strategy, row.batch)].append((int(row.k), row.speedup, low, high))
+        for (draft, strategy, batch), points in sorted(lines.items()):
             points.sort()
             ks = [p[0] for p in points]
-            axis.plot(ks, [p[1] for p in points], marker="o", label=f"{draft} / {strategy}")
+            label = f"{draft} / {strategy}" + (f" / B={batch}" if report.batched else "")
+            axis.plot(ks, [p[1] for p in points], marker="o", label=label)
             axis.fill_between(ks, [p[2] for p in points], [p[3] for p in points], alpha=0.15)
         for row in report.rows:
             if row.dataset == dataset and row.k == "auto" and row.speedup is not None:
@@ -47,6 +52,27 @@ def _speedup_by_k(report: SweepReport, directory: Path) -> Path:
     figure.suptitle(f"{report.target}: speedup by k (dotted: auto)")
     figure.tight_layout()
     return _save(figure, directory / "speedup-by-k.png")
+
+
+def _speedup_by_batch(report: SweepReport, directory: Path) -> Path:
+    datasets = sorted({row.dataset for row in report.rows})
+    figure, axes = plt.subplots(1, len(datasets), figsize=(5 * len(datasets), 4), squeeze=False)
+    for axis, dataset in zip(axes[0], datasets, strict=True):
+        lines = defaultdict(list)
+        for row in report.rows:
+            if row.dataset == dataset and row.aggregate_speedup is not None:
+                lines[(row.draft, row.strategy, row.k)].append((row.batch, row.aggregate_speedup))
+        for (draft, strategy, k), points in sorted(lines.items()):
+            points.sort()
+            axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=f"{draft} / {strategy} / k={k}")
+        axis.axhline(1.0, color="black", linewidth=0.8)
+        axis.set(title=dataset, xlabel="batch size (items decoded together)",
+                 ylabel="aggregate speedup over target-only at that batch size")
+        axis.set_xticks(sorted({row.batch for row in report.rows}))
+        axis.legend(fontsize=7)
+    figure.suptitle(f"{report.target}: what speculation adds to batching")
+    figure.tight_layout()
+    return _save(figure, directory / "speedup-by-batch.png")
 
 
 def _acceptance(report: SweepReport, directory: Path) -> Path:

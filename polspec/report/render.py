@@ -66,18 +66,25 @@ def markdown(report: SweepReport) -> str:
                   "different conditions.", ""]
     if report.rows:
         lines += ["## Summary", "", *(_headline(headline) for headline in report.headlines), ""]
+    if report.batched:
+        lines += ["Batch B is how many of a cell's items decoded together; aggregate tok/s counts every token "
+                  "of the cell over the wall time its items were decoding, and aggregate speedup divides it by "
+                  "the target-only baseline's at the same B: the gain of a bulk run.", ""]
+    batched = " B | agg tok/s | agg speedup |" if report.batched else ""
     for dataset in sorted({row.dataset for row in report.rows}):
         lines += [f"## {dataset}", "",
                   "| draft | strategy | k | prompts | accept/cand | accept/draft tok | tok/round | tok/s | "
-                  "speedup (95% CI) | predicted | break-even | J/tok | translate/verify |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "speedup (95% CI) | predicted | break-even | J/tok | translate/verify |" + batched,
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * batched.count("|")]
         for row in (r for r in report.rows if r.dataset == dataset):
             lines.append(
                 f"| {row.draft} | {row.strategy} | {row.k} | {row.prompts} | {_fmt(row.acceptance_per_candidate, '{:.0%}')} | "
                 f"{_fmt(row.acceptance_per_draft_token, '{:.0%}')} | {_fmt(row.tokens_per_round)} | "
                 f"{_fmt(row.tokens_per_s, '{:.1f}')} | {_speedup(row)} | {_fmt(row.predicted_speedup, '{:.2f}x')} | "
                 f"{_break_even(row)} | {_fmt(row.joules_per_token, '{:.3f}')} | "
-                f"{_fmt(row.translation_overhead, '{:.1%}')} |")
+                f"{_fmt(row.translation_overhead, '{:.1%}')} |"
+                + (f" {row.batch} | {_fmt(row.aggregate_tokens_per_s, '{:.1f}')} | "
+                   f"{_fmt(row.aggregate_speedup, '{:.2f}x')} |" if report.batched else ""))
         lines.append("")
     return "\n".join(lines)
 

@@ -1,4 +1,4 @@
-"""A sweep's numbers, one row per dataset, draft, strategy, k and prefix.
+"""A sweep's numbers, one row per dataset, draft, strategy, k, prefix and batch size.
 
 Every row is computed from the stored results alone (plus this machine's probe for the
 break-even acceptance, and for predicting results that recorded no probe), so a report can be
@@ -8,6 +8,9 @@ regenerated at any time:
 - tokens/s (median over generations) and the speedup against the *paired* baseline: for every
   prompt, seed and repeat the speculative tokens/s over the baseline's tokens/s on the same
   prompt, seed and repeat; averaged per prompt, then over prompts with a 95% t-interval;
+- aggregate throughput (every token of the cell over the wall time its items were decoding,
+  so items decoded together add up) and its ratio to the target-only baseline at the same
+  batch size: what a bulk run gains from speculation at that batch size;
 - energy per token where every item of the cell was measured;
 - translation time as a fraction of verification time;
 - the cost model's predicted speedup from the acceptance measured in the cell (the
@@ -35,6 +38,7 @@ from polspec.decoding.costmodel import (PROBE_FORMAT, Probe, break_even_acceptan
                                        predicted_speedup_of_rounds)
 from polspec.errors import PolspecError
 from polspec.store.engine import session_scope
+from polspec.store.queries import busy_seconds
 from polspec.store.schema import Batch, Cell, Item, Result, Status
 
 # Two-sided 95% quantiles of Student's t for 1..30 degrees of freedom; the normal 1.96 beyond.
@@ -50,6 +54,7 @@ class Row:
     strategy: str
     k: str
     prefix: int
+    batch: int
     prompts: int
     acceptance_per_candidate: float | None
     acceptance_per_draft_token: float | None
@@ -59,11 +64,18 @@ class Row:
     speedup: float | None
     speedup_low: float | None
     speedup_high: float | None
+    aggregate_tokens_per_s: float | None
+    aggregate_speedup: float | None  # over the baseline's aggregate throughput at the same batch size
     joules_per_token: float | None
     translation_overhead: float | None
     predicted_speedup: float | None
     break_even_acceptance: float | None
     never_pays: bool = False  # this machine's probe says no acceptance makes the cell's k pay
+
+    @property
+    def pair(self) -> str:
+        """Draft and strategy (and batch size, above 1): the cells whose k are compared."""
+        return f"{self.draft}/{self.strategy}" + (f"/b{self.batch}" if self.batch != 1 else "")
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -75,7 +87,7 @@ class Headline:
 
     dataset: str
     best: Row | None  # the fixed-k cell with the highest mean speedup
-    auto_vs_best: dict[str, float]  # "draft/strategy": auto's speedup over that pair's best fixed-k speedup
+    auto_vs_best: dict[str, float]  # Row.pair: auto's speedup over that pair's best fixed-k speedup
     worst_prediction: Row | None  # the k <= 3 cell whose prediction misses its measured speedup most
 
     @property
@@ -106,6 +118,11 @@ class SweepReport:
     cross_run_pairs: int = 0
 
     @property
+    def batched(self) -> bool:
+        """Whether the sweep decoded at batch sizes above 1."""
+        return any(row.batch != 1 for row in self.rows)
+
+    @property
     def headlines(self) -> list[Headline]:
         return [headline(dataset, [row for row in self.rows if row.dataset == dataset])
                 for dataset in sorted({row.dataset for row in self.rows})]
@@ -117,10 +134,9 @@ def headline(dataset: str, rows: list[Row]) -> Headline:
     fixed = [row for row in measured if row.k.isdigit()]
     best_per_pair: dict[str, float] = {}
     for row in fixed:
-        pair = f"{row.draft}/{row.strategy}"
-        best_per_pair[pair] = max(best_per_pair.get(pair, 0.0), row.speedup)
-    auto_vs_best = {f"{row.draft}/{row.strategy}": row.speedup / best_per_pair[f"{row.draft}/{row.strategy}"]
-                    for row in measured if row.k == "auto" and f"{row.draft}/{row.strategy}" in best_per_pair}
+        best_per_pair[row.pair] = max(best_per_pair.get(row.pair, 0.0), row.speedup)
+    auto_vs_best = {row.pair: row.speedup / best_per_pair[row.pair]
+                    for row in measured if row.k == "auto" and row.pair in best_per_pair}
     predicted = [row for row in fixed if int(row.k) <= 3 and row.predicted_speedup is not None]
     return Headline(dataset, max(fixed, key=lambda row: row.speedup, default=None), auto_vs_best,
                     max(predicted, key=lambda row: abs(row.predicted_speedup / row.speedup - 1), default=None))
@@ -151,34 +167,50 @@ def sweep_report(engine: Engine, batch_id: int) -> SweepReport:
     baseline_runs: dict[tuple, tuple] = {}
     speculative_runs: list[tuple[tuple, tuple]] = []
     groups: dict[tuple, list[tuple[tuple, Result]]] = defaultdict(list)
+    spans: dict[tuple, list[tuple[Any, Any, int]]] = defaultdict(list)  # per cell: (start, end, tokens)
     for cell, item, result in rows:
         run = (item.worker_host, item.worker_pid)
         config = cell.config
-        # The item key is "<cell key>/<prompt id>/r<repeat>": pairs share dataset, seed and the rest.
-        pair = (config["dataset"], config["seed"], item.item_key[len(cell.key) + 1:])
+        batch_size = config.get("batch", 1)  # sweeps from before batching ran every item alone
+        # The item key is "<cell key>/<prompt id>/r<repeat>": pairs share dataset, seed, batch and the rest.
+        pair = (config["dataset"], config["seed"], batch_size, item.item_key[len(cell.key) + 1:])
+        key = (config["dataset"], config["draft"], config["strategy"], str(config["k"]), config["prefix"],
+               batch_size) if not cell.baseline else (config["dataset"], None, batch_size)
+        if item.started_at is not None and item.finished_at is not None:
+            spans[key].append((item.started_at, item.finished_at, result.generated_tokens))
         if cell.baseline:
             baseline[pair], baseline_runs[pair] = result.decode_tokens_per_s, run
         else:
             speculative_runs.append((pair, run))
-            key = (config["dataset"], config["draft"], config["strategy"], str(config["k"]), config["prefix"])
             groups[key].append((pair, result))
+    aggregate = {key: _aggregate(members) for key, members in spans.items()}
     probes = {draft: load_probe(target, draft) for draft in {key[1] for key in groups}}
-    report_rows = [cell_row(key, members, baseline, probes[key[1]]) for key, members in sorted(groups.items())]
+    report_rows = [cell_row(key, members, baseline, probes[key[1]], aggregate.get(key),
+                            aggregate.get((key[0], None, key[5])))
+                   for key, members in sorted(groups.items())]
     missing = sorted(draft for draft, found in probes.items() if found is None)
     return SweepReport(batch_id, name, target, status, counts.get(Status.DONE, 0), sum(counts.values()),
                        report_rows, probes, missing,
                        sum(1 for pair, run in speculative_runs if baseline_runs.get(pair, run) != run))
 
 
+def _aggregate(spans: list[tuple[Any, Any, int]]) -> float | None:
+    """Tokens per second of wall time during which any of these items was decoding."""
+    busy = busy_seconds((start, end) for start, end, _ in sorted(spans, key=lambda span: span[0]))
+    return sum(tokens for _, _, tokens in spans) / busy if busy > 0 else None
+
+
 def _prompt(pair: tuple) -> str:
-    """The prompt id of a (dataset, seed, "<prompt id>/r<repeat>") pair."""
-    return pair[2].rsplit("/", 1)[0]
+    """The prompt id of a (dataset, seed, batch, "<prompt id>/r<repeat>") pair."""
+    return pair[3].rsplit("/", 1)[0]
 
 
-def cell_row(key: tuple, members: list[tuple[tuple, Result]], baseline: dict[tuple, float], probe: Probe | None) -> Row:
-    """The row of ``key`` (dataset, draft, strategy, k, prefix) from its results, each with its
-    (dataset, seed, "<prompt id>/r<repeat>") pair, and the baseline tokens/s of each pair."""
-    dataset, draft, strategy, k, prefix = key
+def cell_row(key: tuple, members: list[tuple[tuple, Result]], baseline: dict[tuple, float], probe: Probe | None,
+             aggregate: float | None = None, baseline_aggregate: float | None = None) -> Row:
+    """The row of ``key`` (dataset, draft, strategy, k, prefix, batch) from its results, each
+    with its (dataset, seed, batch, "<prompt id>/r<repeat>") pair, the baseline tokens/s of
+    each pair, and the aggregate throughput of the cell and of its batch size's baseline."""
+    dataset, draft, strategy, k, prefix, batch = key
     metrics = [result.metrics for _, result in members]
 
     def total(name: str) -> float:
@@ -201,13 +233,14 @@ def cell_row(key: tuple, members: list[tuple[tuple, Result]], baseline: dict[tup
     k_used = _k_used(k, metrics)
     even = break_even_acceptance(probe, k_used, ratio) if probe is not None and k_used else None
     return Row(
-        dataset, draft, strategy, k, prefix, len({_prompt(pair) for pair, _ in members}),
+        dataset, draft, strategy, k, prefix, batch, len({_prompt(pair) for pair, _ in members}),
         accepted / total("candidates") if total("candidates") else None,
         total("draft_tokens_accepted") / total("draft_tokens") if total("draft_tokens") else None,
         total("generated_tokens") / total("rounds") if total("rounds") else None,
         statistics.median(result.decode_tokens_per_s for _, result in members),
         statistics.median(base_speeds) if base_speeds else None,
-        speedup, low, high, joules,
+        speedup, low, high, aggregate,
+        aggregate / baseline_aggregate if aggregate and baseline_aggregate else None, joules,
         total("translate_s") / total("verify_s") if total("verify_s") else None,
         predicted_speedup_of_cell(k, members, probe), even, probe is not None and bool(k_used) and even is None,
     )

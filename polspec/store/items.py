@@ -119,11 +119,12 @@ def _item_spec(item: Item) -> dict[str, Any]:
 class Pairing:
     """What an item needs from a batched worker: its models, and the batch size it asks for
     (a sweep cell's ``batch``; None lets the worker choose). Items with equal pairings may
-    decode in one batch."""
+    decode in one batch; a sweep item only with its own cell's, so that a cell's speed is its own."""
 
     target: str
     draft: str | None
     batch: int | None
+    cell: int | None
 
 
 def item_pairings(engine: Engine, item_ids: list[int]) -> dict[int, Pairing]:
@@ -131,8 +132,8 @@ def item_pairings(engine: Engine, item_ids: list[int]) -> dict[int, Pairing]:
     a read, so that a worker can choose its batch's next items before claiming them."""
     with session_scope(engine) as session:
         items = session.scalars(select(Item).where(Item.id.in_(item_ids), Item.status.in_(UNFINISHED)))
-        return {item.id: Pairing((spec := _item_spec(item))["target"], spec.get("draft"), spec.get("batch"))
-                for item in items}
+        return {item.id: Pairing((spec := _item_spec(item))["target"], spec.get("draft"), spec.get("batch"),
+                                 item.cell_id) for item in items}
 
 
 def renew_leases(engine: Engine, item_ids: list[int], me: Worker) -> int:

@@ -45,7 +45,14 @@ class BatchProgress:
 
     @property
     def tokens_per_s(self) -> float | None:
+        """Decode speed of one sequence, over the batch's generations."""
         return self.generated_tokens / self.generation_s if self.generation_s > 0 else None
+
+    @property
+    def aggregate_tokens_per_s(self) -> float | None:
+        """Tokens per second of the whole run: every token over the wall time some worker ran
+        the batch's items, so items decoding together (or parallel workers) add up."""
+        return self.generated_tokens / self.busy_s if self.busy_s > 0 else None
 
     @property
     def eta_s(self) -> float | None:
@@ -65,7 +72,8 @@ class BatchProgress:
         return {"batch": self.id, "name": self.name, "kind": self.kind, "status": self.status,
                 "target": self.target, "draft": self.draft, "created_at": self.created_at.isoformat(),
                 "total": self.total, **{status.value: self.counts.get(status.value, 0) for status in Status},
-                "generated_tokens": self.generated_tokens, "tokens_per_s": self.tokens_per_s, "eta_s": self.eta_s}
+                "generated_tokens": self.generated_tokens, "tokens_per_s": self.tokens_per_s,
+                "aggregate_tokens_per_s": self.aggregate_tokens_per_s, "eta_s": self.eta_s}
 
 
 def batch_progress(engine: Engine, batch_id: int | None = None) -> list[BatchProgress]:
@@ -112,7 +120,7 @@ def busy_seconds(spans: Iterable[tuple[datetime, datetime]]) -> float:
 
 
 EXPORT_COLUMNS = ("batch", "id", "status", "prompt", "messages", "text", "prompt_tokens", "generated_tokens",
-                  "decode_tokens_per_s", "acceptance_rate", "tokens_per_round", "energy_joules", "energy_source",
+                  "decode_tokens_per_s", "batch_size", "acceptance_rate", "tokens_per_round", "energy_joules", "energy_source",
                   "energy_unavailable_reason", "attempts", "error", "worker_host", "backend", "device",
                   "finished_at")
 
@@ -135,6 +143,7 @@ def item_rows(engine: Engine, batch_id: int | None = None, status: str | None = 
                 "prompt_tokens": result.prompt_tokens if result else None,
                 "generated_tokens": result.generated_tokens if result else None,
                 "decode_tokens_per_s": result.decode_tokens_per_s if result else None,
+                "batch_size": result.batch_size if result else None,
                 "acceptance_rate": result.acceptance_rate if result else None,
                 "tokens_per_round": result.metrics.get("tokens_per_round") if result else None,
                 "energy_joules": result.energy_joules if result else None,
