@@ -91,6 +91,7 @@ def main() -> None:
     parser.add_argument("--datasets", default="pl-wiki,pl-struct", help="Comma-separated built-in sets.")
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--no-mlx-lm", action="store_true", help="Leave out mlx-lm's rows (for a shorter run).")
     args = parser.parse_args()
     info = backend.setup()
     print(f"MLX {info.mlx_version} on {info.device}, dtype {info.dtype}, BLAS fix {'on' if info.blas.active else 'off'}\n")
@@ -124,9 +125,10 @@ def main() -> None:
         print(f"batched plain B={batch} ...", file=sys.stderr)
         outputs, wall, latencies, _ = run_batched(target, None, prompts, args.max_tokens, 2, batch, None)
         plain[batch] = row("polspec batched target-only", batch, outputs, wall, latencies)
-        print(f"mlx-lm B={batch} ...", file=sys.stderr)
-        outputs, wall = run_mlx_lm(target, prompts, args.max_tokens, batch)
-        row("mlx-lm batch_generate", batch, outputs, wall, plain=plain[batch])
+        if not args.no_mlx_lm:
+            print(f"mlx-lm B={batch} ...", file=sys.stderr)
+            outputs, wall = run_mlx_lm(target, prompts, args.max_tokens, batch)
+            row("mlx-lm batch_generate", batch, outputs, wall, plain=plain[batch])
     for draft_alias in filter(None, args.drafts.split(",")):
         draft = load_model(draft_alias)
         probe = stored_probe(target, draft, batched=True) if "auto" in ks else None

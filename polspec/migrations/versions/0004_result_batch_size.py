@@ -21,7 +21,7 @@ depends_on: str | Sequence[str] | None = None
 def upgrade() -> None:
     # Every result written before batching decoded alone.
     with op.batch_alter_table("results") as batch:
-        batch.add_column(sa.Column("batch_size", sa.Float(), nullable=False, server_default="1"))
+        batch.add_column(sa.Column("batch_size", sa.Double(), nullable=False, server_default="1"))
 
 
 def downgrade() -> None:
