@@ -212,3 +212,41 @@ def test_first_sigterm_finishes_the_batch_in_flight_then_stops(env):
     assert after.get("done", 0) >= 2 and after.get("queued", 0) >= 1 and "running" not in after
     finish(start_worker(env, "--burst"))
     assert_each_item_done_once(env, 6)
+
+
+def test_second_sigterm_stops_a_batch_at_once_and_its_items_run_again(env):
+    enqueue(env, limit=4, max_tokens=200)
+    worker = start_worker(env, "--burst", "--batch", "4")
+    wait_for(lambda: statuses(env).get("running", 0) == 4, 240, "a batch of four items decoding")
+    worker.send_signal(signal.SIGTERM)
+    time.sleep(1.5)  # RQ takes a second signal within a second for a duplicate of the first
+    worker.send_signal(signal.SIGTERM)
+    started = time.monotonic()
+    worker.communicate(timeout=60)
+    assert time.monotonic() - started < 20  # 200 tokens would take far longer
+    assert statuses(env) == {"running": 4}  # left for the next worker, as after kill -9
+    output = finish(start_worker(env, "--burst", "--batch", "4"))
+    assert "re-enqueued 4 unfinished items (4 worker gone)" in output
+    assert [item.attempts for item in assert_each_item_done_once(env, 4)] == [2] * 4
+
+
+def test_an_item_past_its_job_timeout_in_a_batch_fails_like_a_timed_out_job_and_is_retried(env):
+    enqueue(env, limit=2, max_tokens=200)
+    connection = redis.Redis.from_url(env["POLSPEC_REDIS_URL"])
+    queue = Queue(queue_name(TARGET), connection=connection, serializer=JSONSerializer)
+    jobs = queue.get_jobs()
+    jobs[0].timeout = 1  # the other job keeps its own timeout, and finishes
+    jobs[0].save()
+    finish(start_worker(env, "--burst", "--batch", "2"))
+    engine = make_engine(env["POLSPEC_DB_URL"])
+    with session_scope(engine) as session:
+        items = {item.id: item for item in session.scalars(select(Item))}
+        results = set(session.scalars(select(Result.item_id)))
+    engine.dispose()
+    timed_out, other = items[jobs[0].args[1]], items[jobs[1].args[1]]
+    # RQ's two retries, then failed with the timeout as its reason; the batch-mate is unharmed.
+    assert (timed_out.status, timed_out.attempts, timed_out.id in results) == ("failed", 3, False)
+    assert "JobTimeoutException" in timed_out.last_error and "(1 seconds)" in timed_out.last_error
+    assert (other.status, other.attempts, other.id in results) == ("done", 1, True)
+    failed = Job.fetch(jobs[0].id, connection=connection, serializer=JSONSerializer)
+    assert failed.get_status() == JobStatus.FAILED and failed.id in queue.failed_job_registry.get_job_ids()
