@@ -14,6 +14,7 @@ retries the job; on the last attempt the item is marked failed with the reason.
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import time
 from datetime import UTC, datetime
@@ -183,5 +184,11 @@ def _versions(target: LoadedModel, draft: LoadedModel | None) -> dict[str, Any]:
         return {"alias": loaded.entry.alias, "source": loaded.entry.source, "sha256": loaded.entry.sha256,
                 "path": str(loaded.path), "dtype": loaded.dtype}
 
-    packages = {name: importlib.metadata.version(name) for name in ("mlx", "mlx-lm", "transformers", "rq")}
-    return {"polspec": __version__, **packages, "target": model(target), "draft": model(draft)}
+    return {"polspec": __version__, **_package_versions(), "target": model(target), "draft": model(draft)}
+
+
+@functools.cache
+def _package_versions() -> dict[str, str]:
+    # Read once per process: a lookup scans the installed distributions, and a batch writes
+    # many results a second.
+    return {name: importlib.metadata.version(name) for name in ("mlx", "mlx-lm", "transformers", "rq")}
