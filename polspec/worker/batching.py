@@ -44,7 +44,7 @@ from polspec.jobs.queue import JOB_FUNCTION
 from polspec.jobs.spec import GenerateSpec
 from polspec.jobs.tasks import PROGRESS_INTERVAL_S, item_probe, load_models, prompt_of, result_row
 from polspec.models.loader import LoadedModel
-from polspec.store.items import Claim, Pairing, cancelled_items, claim_item, fail_item, finish_item, item_pairings
+from polspec.store.items import Pairing, cancelled_items, claim_item, fail_item, finish_item, item_pairings
 from polspec.store.schema import Status
 from polspec.worker import context
 from polspec.worker.energy import EnergyReading
@@ -89,7 +89,6 @@ class _Running:
 
     job: Job
     execution: Execution
-    claim: Claim
     max_tokens: int
     deadline: float  # time.monotonic() past which the job's RQ timeout has run out
     timings: dict[str, Any]
@@ -123,7 +122,7 @@ class BatchRun:
             except Exception:  # noqa: BLE001 - out of memory and the like: every item in flight fails
                 exc_info = sys.exc_info()
                 for running in list(self.running.values()):
-                    self._fail(running, exc_info)
+                    self._fail(running.job, running.execution, exc_info)
                 self.running.clear()
                 break
             for event in events:
@@ -157,8 +156,11 @@ class BatchRun:
             fail_item(self.ctx.engine, item_id, self.ctx.me, str(error), final=True)
             self._succeed(job, execution, {"item": item_id, "failed": str(error)})
             return
+        except Exception:  # noqa: BLE001 - out of memory while loading and the like: RQ tries the job again
+            self._fail(job, execution, sys.exc_info())
+            return
         deadline = time.monotonic() + (job.timeout or Queue.DEFAULT_TIMEOUT)
-        self.running[item_id] = _Running(job, execution, claim, params.max_tokens, deadline,
+        self.running[item_id] = _Running(job, execution, params.max_tokens, deadline,
                                          timings | {"attempt": claim.attempt})
 
     def _prepare(self, spec: GenerateSpec, params: DecodingParams) -> dict[str, float]:
@@ -223,7 +225,7 @@ class BatchRun:
         del self.running[event.key]
         self.ctx.current_items.discard(event.key)
         if running.timed_out:
-            self._fail(running, _timeout(running.job))
+            self._fail(running.job, running.execution, _timeout(running.job))
             return
         if event.metrics.finish_reason == "cancelled":
             fail_item(self.ctx.engine, event.key, self.ctx.me, "cancelled while running", final=True,
@@ -237,7 +239,7 @@ class BatchRun:
         try:
             stored = finish_item(self.ctx.engine, event.key, self.ctx.me, result)
         except Exception:  # noqa: BLE001 - the database's fault, not the item's: RQ tries the job again
-            self._fail(running, sys.exc_info(), record=False)
+            self._fail(running.job, running.execution, sys.exc_info(), record=False)
             return
         self._succeed(running.job, running.execution,
                       {"item": event.key, "stored": stored, "tokens": result.generated_tokens})
@@ -256,16 +258,17 @@ class BatchRun:
             self._redis_failed(error)
         self.worker.job_ended()
 
-    def _fail(self, running: _Running, exc_info: ExcInfo, record: bool = True) -> None:
+    def _fail(self, job: Job, execution: Execution, exc_info: ExcInfo, record: bool = True) -> None:
         """Fail the item as a job that raised: final on the last RQ attempt, else retried."""
-        self.ctx.current_items.discard(running.claim.item_id)
+        item_id = job.args[1]
+        self.ctx.current_items.discard(item_id)
         if record:
             error = exc_info[1]
-            fail_item(self.ctx.engine, running.claim.item_id, self.ctx.me, f"{type(error).__name__}: {error}",
-                      final=not running.job.retries_left)
-        self.worker.active.pop(running.job.id, None)
+            fail_item(self.ctx.engine, item_id, self.ctx.me, f"{type(error).__name__}: {error}",
+                      final=not job.retries_left)
+        self.worker.active.pop(job.id, None)
         try:
-            self.worker._finalize_failure(running.job, self.queue, running.execution, exc_info)
+            self.worker._finalize_failure(job, self.queue, execution, exc_info)
         except redis.RedisError as error:
             self._redis_failed(error)
         self.worker.job_ended()
