@@ -81,7 +81,7 @@ def test_twelve_prompts_end_to_end_with_exports(any_db_env, tmp_path, gemma3):
     assert len(stored) == 12
     for key, (item, result) in stored.items():
         assert item.status == "done" and item.attempts == 1 and result is not None, (key, item.last_error)
-        assert result.generated_tokens == (3 if key == "short" else 8) or result.metrics["finish_reason"] == "eos"
+        assert result.generated_tokens == (3 if key == "short" else 8) or result.metrics["finish_reason"] == "stop"
         assert result.metrics["rounds"] > 0 and result.metrics["draft_tokens"] > 0
         assert result.acceptance_rate is not None and 0 <= result.acceptance_rate <= 1
         assert result.energy_joules is None and result.energy_unavailable_reason
