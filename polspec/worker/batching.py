@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -35,6 +36,7 @@ from rq.job import Job
 from rq.queue import Queue
 from rq.timeouts import JobTimeoutException
 from rq.utils import now
+from sqlalchemy import Engine
 
 from polspec.decoding.batch import BatchDecoder, SequenceEvent, best_batch_size
 from polspec.decoding.params import DecodingParams
@@ -67,13 +69,13 @@ def job_item(job: Job, database_id: str) -> int | None:
     return job.args[1] if isinstance(job.args[1], int) else None
 
 
-def take_jobs(queue: Queue, database_id: str, pairing: Pairing, count: int) -> list[Job]:
+def take_jobs(queue: Queue, engine: Engine, database_id: str, pairing: Pairing, count: int) -> list[Job]:
     """Up to ``count`` queued jobs of ``queue`` whose items have ``pairing``, removed from the
     queue in queue order; a job that another worker removes first stays its."""
     ids = queue.get_job_ids(0, SCAN_DEPTH)
     jobs = [job for job in Job.fetch_many(ids, connection=queue.connection, serializer=queue.serializer) if job]
     items = {job.id: job_item(job, database_id) for job in jobs}
-    pairings = item_pairings(context.current().engine, [item for item in items.values() if item is not None])
+    pairings = item_pairings(engine, [item for item in items.values() if item is not None])
     taken: list[Job] = []
     for job in jobs:
         if len(taken) == count:
@@ -164,21 +166,23 @@ class BatchRun:
                                          timings | {"attempt": claim.attempt})
 
     def _prepare(self, spec: GenerateSpec, params: DecodingParams) -> dict[str, float]:
-        """Models and decoder (the first item loads them) and the probe the item needs."""
+        """Models and decoder (the first item loads them), and the pair's probe: read by the
+        first item, measured with its batch table when an ``auto`` item needs one that lacks it."""
         clock = time.perf_counter()
         if self.target is None:
             self.target, self.draft = load_models(self.ctx, spec)
         load_s = time.perf_counter() - clock
         clock = time.perf_counter()
-        probe = item_probe(self.target, self.draft, params, batched=True)
+        held = self.decoder.probe if self.decoder is not None else None
+        if self.decoder is None or (params.k == "auto" and not (held and held.batch)):
+            held = item_probe(self.target, self.draft, params, batched=True)
         probe_s = time.perf_counter() - clock
         longest = params.max_tokens + PROMPT_ALLOWANCE
         if self.decoder is None:
-            size = self.wanted or best_batch_size(self.target, self.draft, probe, longest)
-            self.decoder = BatchDecoder(self.target, self.draft, size, probe, longest)
+            size = self.wanted or best_batch_size(self.target, self.draft, held, longest)
+            self.decoder = BatchDecoder(self.target, self.draft, size, held, longest)
             log.info("decoding %s%s in batches of up to %d", spec.target, f" + {spec.draft}" if spec.draft else "", size)
-        elif probe is not None and probe.batch:
-            self.decoder.probe = probe
+        self.decoder.probe = held
         return {"model_load_s": load_s, "probe_s": probe_s}
 
     def _refill(self) -> None:
@@ -186,7 +190,7 @@ class BatchRun:
         if free <= 0 or self.worker._stop_requested:
             return
         try:
-            jobs = take_jobs(self.queue, self.ctx.database_id, self.pairing, free)
+            jobs = take_jobs(self.queue, self.ctx.engine, self.ctx.database_id, self.pairing, free)
         except redis.RedisError as error:
             self._redis_failed(error)
             return
@@ -251,12 +255,7 @@ class BatchRun:
                 "reads the whole machine, not one item")
 
     def _succeed(self, job: Job, execution: Execution, summary: dict[str, Any]) -> None:
-        self.worker.active.pop(job.id, None)
-        try:
-            self.worker._finalize_success(job, self.queue, execution, summary)
-        except redis.RedisError as error:
-            self._redis_failed(error)
-        self.worker.job_ended()
+        self._end(job, lambda: self.worker._finalize_success(job, self.queue, execution, summary))
 
     def _fail(self, job: Job, execution: Execution, exc_info: ExcInfo, record: bool = True) -> None:
         """Fail the item as a job that raised: final on the last RQ attempt, else retried."""
@@ -266,9 +265,13 @@ class BatchRun:
             error = exc_info[1]
             fail_item(self.ctx.engine, item_id, self.ctx.me, f"{type(error).__name__}: {error}",
                       final=not job.retries_left)
+        self._end(job, lambda: self.worker._finalize_failure(job, self.queue, execution, exc_info))
+
+    def _end(self, job: Job, finalize: Callable[[], None]) -> None:
+        """The job leaves the heartbeat's care and RQ records how it ended."""
         self.worker.active.pop(job.id, None)
         try:
-            self.worker._finalize_failure(job, self.queue, execution, exc_info)
+            finalize()
         except redis.RedisError as error:
             self._redis_failed(error)
         self.worker.job_ended()
