@@ -20,6 +20,16 @@ def start_worker(env: dict[str, str], *args: str) -> subprocess.Popen:
                             env=os.environ | env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+def wait_for_line(worker: subprocess.Popen, text: str) -> str:
+    """Read the worker's output until a line containing ``text``; fail if it ends first."""
+    seen = []
+    for line in worker.stdout:
+        seen.append(line)
+        if text in line:
+            return line
+    pytest.fail(f"the worker ended without printing {text!r}:\n{''.join(seen)}")
+
+
 def statuses(env: dict[str, str]) -> dict[str, int]:
     engine = make_engine(env["POLSPEC_DB_URL"])
     with session_scope(engine) as session:

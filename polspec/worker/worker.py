@@ -100,6 +100,12 @@ class PolspecWorker(SimpleWorker):
             beat.join()
             self.active.clear()
 
+    def handle_warm_shutdown_request(self) -> None:
+        # Said at warning level so that a user who pressed Ctrl+C sees it took, and what a
+        # second one does.
+        log.warning("stopping: no new items; finishing the %d in flight (Ctrl+C or SIGTERM again stops at once)",
+                    len(self.active))
+
     def job_ended(self) -> None:
         if self.on_job_end is not None:
             self.on_job_end()
