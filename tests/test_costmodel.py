@@ -1,4 +1,5 @@
-"""The cost model against worked examples, the probe on real models, and the auto draft length."""
+"""The cost model against worked examples, the acceptance store, probe files, the probe on real
+models, and the auto draft length."""
 
 from __future__ import annotations
 
@@ -7,11 +8,14 @@ import math
 import pytest
 
 from polspec.decoding import DecodingParams, generate
+from polspec.decoding.acceptance import AcceptanceEstimate, acceptance_estimate
 from polspec.decoding.costmodel import (
-    AcceptanceEstimate, Probe, best_k, break_even_acceptance, can_pay, expected_tokens, load_probe,
-    predicted_speedup, predicted_speedup_of_rounds, probe, probe_path, round_cost, save_probe,
+    BATCH_POSITIONS, BATCH_SIZES, BatchCost, Probe, best_k, break_even_acceptance, can_pay, expected_tokens,
+    predicted_speedup, predicted_speedup_of_rounds, round_cost, throughput_batch_size,
 )
+from polspec.decoding.measure import measure_probe
 from polspec.decoding.policy import EXPLORE_EVERY, DraftLength
+from polspec.decoding.probe_files import load_probe, probe_path, save_probe
 from polspec.decoding.run import stored_probe
 
 
@@ -72,6 +76,25 @@ def test_acceptance_estimate_is_the_geometric_mle():
     assert estimate.a == pytest.approx(3 / 5)  # 3 accepted, 2 rounds stopped by a rejection
 
 
+def test_one_acceptance_estimate_per_pair_and_translation():
+    aligned = acceptance_estimate("t", "d", DecodingParams(strategy="aligned", partial_word="verify"))
+    assert acceptance_estimate("t", "d", DecodingParams(strategy="aligned", partial_word="verify")) is aligned
+    assert acceptance_estimate("t", "d", DecodingParams(strategy="aligned", partial_word="hold")) is not aligned
+    assert acceptance_estimate("t", "other", DecodingParams(strategy="aligned")) is not aligned
+
+
+def test_throughput_batch_size_stops_where_a_larger_batch_gains_under_ten_percent():
+    def table(*steps: float) -> Probe:
+        costs = tuple(BatchCost(size, (step,) * len(BATCH_POSITIONS), 0.001) for size, step in zip(BATCH_SIZES, steps))
+        return Probe("t", "d", c=0.1, rho=(1.0,) * 9, tau=0.0, batch=costs)
+
+    # Sequences per second at B = 1, 2, 4, 8, 16: 100, 111, 133, 80, 320. Each step up to 4 gains
+    # at least 10%; 8 loses, and the search stops there although 16 would gain again.
+    assert throughput_batch_size(table(0.01, 0.018, 0.03, 0.1, 0.05)) == 4
+    assert throughput_batch_size(table(0.01, 0.011, 0.012, 0.013, 0.014)) == 16
+    assert throughput_batch_size(None) == throughput_batch_size(table()) == BATCH_SIZES[-1]
+
+
 def test_auto_policy_explores_while_plain_decoding_pays_best():
     policy = DraftLength(DecodingParams(k="auto"), flat(0.9, rho=(1.0, 1.5) + (2.0,) * 7), AcceptanceEstimate(1, 9))
     ks = []
@@ -102,7 +125,7 @@ def test_an_unreadable_probe_counts_as_never_measured(stored, isolated_home, cap
 
 @pytest.mark.slow
 def test_probe_measures_real_models_and_is_stored(gemma3, smollm2, home_with_models):
-    measured = probe(gemma3, smollm2, repeats=2, context=16, batch_sizes=(1, 4))
+    measured = measure_probe(gemma3, smollm2, repeats=2, context=16, batch_sizes=(1, 4))
     assert measured.rho[0] == 1.0 and len(measured.rho) == 9 and measured.rho[8] > 1.0
     assert [cost.size for cost in measured.batch] == [1, 4]
     one, four = measured.batch

@@ -13,8 +13,8 @@ from click.testing import CliRunner
 from sqlalchemy import select, update
 
 from polspec.cli import main
-from polspec.decoding.costmodel import (Probe, break_even_acceptance, predicted_speedup, predicted_speedup_of_rounds,
-                                       save_probe)
+from polspec.decoding.costmodel import Probe, break_even_acceptance, predicted_speedup, predicted_speedup_of_rounds
+from polspec.decoding.probe_files import save_probe
 from polspec.errors import PolspecError
 from polspec.jobs.sweep import expand_sweep
 from polspec.report.render import markdown

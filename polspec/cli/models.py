@@ -167,13 +167,14 @@ def probe(target: str, draft: str, repeats: int, as_json: bool) -> None:
     Example:
       polspec models probe qwen2.5-coder-1.5b gemma3-270m
     """
-    from polspec.decoding.costmodel import break_even_acceptance, predicted_speedup, probe_path, save_probe
-    from polspec.decoding.costmodel import probe as measure
+    from polspec.decoding.costmodel import break_even_acceptance, predicted_speedup
+    from polspec.decoding.measure import measure_probe
+    from polspec.decoding.probe_files import probe_path, save_probe
     from polspec.models.loader import load_model
 
     with progress_bar("loading") as report:
         target_model, draft_model = load_model(target, progress=report), load_model(draft, progress=report)
-    result = measure(target_model, draft_model, repeats=repeats)
+    result = measure_probe(target_model, draft_model, repeats=repeats)
     save_probe(result)
     if as_json:
         click.echo(json.dumps(result.as_dict()))

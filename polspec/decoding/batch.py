@@ -35,8 +35,9 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from polspec.decoding import batch_kv
+from polspec.decoding.acceptance import acceptance_estimate
 from polspec.decoding.commit import Commit
-from polspec.decoding.costmodel import BATCH_SIZES, Probe, acceptance_estimate, can_pay
+from polspec.decoding.costmodel import Probe, can_pay, throughput_batch_size
 from polspec.decoding.metrics import DecodeMetrics
 from polspec.decoding.params import DecodingParams
 from polspec.decoding.policy import DraftLength
@@ -45,9 +46,6 @@ from polspec.decoding.sampling import token_sampler
 from polspec.decoding.speculative import DraftText, settle_round, translate_proposal, translation_tables
 from polspec.errors import PolspecError
 from polspec.models.loader import LoadedModel
-
-# A larger batch is worth it for bulk work while it raises plain throughput by this much.
-BATCH_GAIN = 1.10
 
 # Memory a batch may plan to use, as a share of what is free when the decoder starts: the
 # rest is left for activations, the allocator's cache and other processes.
@@ -207,8 +205,7 @@ class BatchDecoder:
         if not any(can_pay(self.probe.at_batch(b), params.k_max) for b in range(1, self.max_batch + 1)):
             metrics.k_policy_note = "auto: plain decoding, no k can pay on this machine at any batch size"
             return None
-        translation = f"aligned/{params.partial_word}" if params.strategy == "aligned" else params.strategy
-        estimate = acceptance_estimate(self.target.entry.alias, self.draft.entry.alias, translation)
+        estimate = acceptance_estimate(self.target.entry.alias, self.draft.entry.alias, params)
         return DraftLength(params, self.probe.at_batch(1), estimate)
 
     def _join(self) -> None:
@@ -397,18 +394,10 @@ def max_batch_size(target: LoadedModel, draft: LoadedModel | None, longest: int,
 
 
 def best_batch_size(target: LoadedModel, draft: LoadedModel | None, probe: Probe | None, longest: int) -> int:
-    """The batch size for bulk decoding: the largest measured size whose plain throughput beats
-    the next smaller one's by ``BATCH_GAIN`` (from the probe's batch table; without one, the
-    largest of ``BATCH_SIZES``), capped by what memory holds for ``longest`` tokens a sequence."""
-    best = BATCH_SIZES[-1]
-    if probe is not None and probe.batch:
-        costs = sorted(probe.batch, key=lambda cost: cost.size)
-        best = costs[0].size
-        for smaller, larger in zip(costs, costs[1:]):
-            if larger.size / larger.target_s[0] < BATCH_GAIN * smaller.size / smaller.target_s[0]:
-                break
-            best = larger.size
-    return min(best, max_batch_size(target, draft, longest))
+    """The batch size for bulk decoding: the probe's
+    :func:`~polspec.decoding.costmodel.throughput_batch_size`, capped by what memory holds for
+    ``longest`` tokens a sequence."""
+    return min(throughput_batch_size(probe), max_batch_size(target, draft, longest))
 
 
 def _vocabulary(model: nn.Module) -> int:

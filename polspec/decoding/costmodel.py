@@ -14,31 +14,27 @@ target tokens, so the speedup over target-only decoding is
 and speculation pays when ``S > 1``. ``d`` is the draft's work per round beyond its k steps:
 its first forward also feeds the text committed last round, and every proposal is a host
 sync. ``k'`` follows from ``k`` through the pair's ratio of target candidates to draft tokens
-(1 for a same-tokenizer pair). :func:`probe` measures ``c``, ``d``, ``rho(1..9)`` and ``tau``
-on the machine at hand; probes are stored per machine and model pair under
-``$POLSPEC_HOME/probes``. The ``auto`` draft length (:mod:`polspec.decoding.policy`)
+(1 for a same-tokenizer pair). The ``auto`` draft length (:mod:`polspec.decoding.policy`)
 picks the k with the highest predicted S each round, and plain decoding when none exceeds 1.
+
+This module is the :class:`Probe` data and arithmetic on it, free of models and files:
+:func:`~polspec.decoding.measure.measure_probe` measures a probe on loaded models, and
+:mod:`polspec.decoding.probe_files` stores probes per machine and model pair under
+``$POLSPEC_HOME/probes``.
 """
 
 from __future__ import annotations
 
-import json
-import logging
 import math
-import platform
-import statistics
-import time
 from dataclasses import asdict, dataclass, field
-
-from polspec.errors import PolspecError
-from polspec.settings import polspec_home
 
 RHO_SIZES = 9  # rho(m) is measured for m = 1..9 and extrapolated linearly beyond
 PROBE_FORMAT = 1
 BATCH_SIZES = (1, 2, 4, 8, 16)  # sequences per forward in the probe's batch table
 BATCH_POSITIONS = (1, 2, 3, 5, 9)  # positions per sequence measured at each batch size
 
-log = logging.getLogger(__name__)
+# A larger batch is worth it for bulk work while it raises plain throughput by this much.
+BATCH_GAIN = 1.10
 
 
 @dataclass(frozen=True)
@@ -188,193 +184,15 @@ def can_pay(probe: Probe, k_max: int, ratio: float = 1.0) -> bool:
     return any(predicted_speedup(probe, 1.0, k, ratio) > 1.0 for k in range(1, k_max + 1))
 
 
-# --- measuring -------------------------------------------------------------------------------
-
-
-def machine_key() -> str:
-    """Probes are valid for one machine, backend and dtype policy."""
-    from polspec.backend import setup
-
-    chosen = setup()
-    return f"{platform.node() or 'host'}-{chosen.kind}-{chosen.device}-{chosen.dtype}"
-
-
-def probe_path(target: str, draft: str):
-    return polspec_home() / "probes" / machine_key() / f"{target}__{draft}.json"
-
-
-def load_probe(target: str, draft: str) -> Probe | None:
-    """The stored probe of this pair on this machine, if one was measured.
-
-    None as well when the file cannot be read as a probe (cut short by a crash, edited by hand):
-    a probe is a measurement, so the pair counts as never measured (``auto`` measures it again)
-    rather than failing the jobs and reports that read it.
-    """
-    path = probe_path(target, draft)
-    if not path.exists():
-        return None
-    try:
-        data = json.loads(path.read_text())
-        return Probe.from_dict(data) if data.get("format") == PROBE_FORMAT else None
-    except (OSError, ValueError, TypeError, KeyError, AttributeError) as error:
-        log.warning("ignoring unreadable probe %s (%s: %s); treated as never measured", path, type(error).__name__, error)
-        return None
-
-
-def save_probe(probe: Probe) -> None:
-    path = probe_path(probe.target, probe.draft)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_suffix(".tmp")
-    temporary.write_text(json.dumps(probe.as_dict(), indent=1))
-    temporary.replace(path)
-
-
-def probe(target, draft, repeats: int = 9, context: int = 64, batch_sizes: tuple[int, ...] = BATCH_SIZES) -> Probe:
-    """Measure c, d, rho(1..9), tau and the batch table for two loaded models on this machine.
-
-    Forward times are medians over ``repeats`` with ``context`` tokens already cached, the
-    way decoding runs, every size timed in turn within a repeat; tau is the median time of an
-    ``aligned`` translation of a k=4 draft chunk of Polish text, over the target step. The
-    batch table times target forwards over B sequences x m positions (m in
-    ``BATCH_POSITIONS``) and a draft step over B sequences for every B in ``batch_sizes``
-    (a third of ``repeats``, at least 3: the large shapes dominate the probe's time).
-    """
-    from polspec.backend import setup
-    from polspec.decoding.translate import token_bytes, translate_draft_to_target
-
-    if repeats < 1:
-        raise PolspecError(f"repeats must be at least 1, got {repeats}")
-    target_times = _forward_times(target, range(1, RHO_SIZES + 1), repeats, context)
-    step = target_times[0]
-    draft_step = _forward_times(draft, [1], repeats, context)[0]
-
-    text = ("Kraków jest jednym z najstarszych miast w Polsce. Przez wieki był stolicą kraju, a jego "
-            "Stare Miasto wpisano na listę światowego dziedzictwa UNESCO.")
-    target_table, draft_table = token_bytes(target.tokenizer._tokenizer), token_bytes(draft.tokenizer._tokenizer)
-    target_ids = target.tokenizer.encode(text)
-    draft_ids = draft.tokenizer.encode(text)
-    times = []
-    for start in range(4, len(draft_ids) - 4, 3):
-        clock = time.perf_counter()
-        translate_draft_to_target("aligned", draft_table, target_table, draft_ids[start:start + 4],
-                                  target_ids[: max(1, start)], 5, 10)
-        times.append(time.perf_counter() - clock)
-    batch_repeats = max(3, repeats // 3)
-    batch = tuple(BatchCost(size, tuple(_batch_forward_times(target, size, BATCH_POSITIONS, batch_repeats, context)),
-                            _batch_forward_times(draft, size, [1], batch_repeats, context)[0])
-                  for size in batch_sizes)
-    chosen = setup()
-    return Probe(target.entry.alias, draft.entry.alias, c=draft_step / step, batch=batch,
-                 rho=tuple(t / step for t in target_times), tau=statistics.median(times) / step,
-                 draft_overhead=max(0.0, _draft_round_time(draft, draft_ids, repeats) - draft_step) / step,
-                 target_step_s=step, draft_step_s=draft_step,
-                 machine={"key": machine_key(), "platform": chosen.platform, "device": chosen.device,
-                          "dtype": chosen.dtype, "mlx": chosen.mlx_version})
-
-
-def _draft_round_time(draft, text_ids: list[int], repeats: int) -> float:
-    """Median time of a real one-token proposal round of the decoder's draft side.
-
-    Each round first re-syncs the draft with two more tokens of committed text, as after a
-    round that accepted one candidate and added the target's own token, then proposes one
-    token; the difference from a bare draft step is the per-round overhead ``d``.
-    """
-    from polspec.decoding.params import DecodingParams
-    from polspec.decoding.policy import DraftLength
-    from polspec.decoding.speculative import _DraftSide
-
-    prompt, rest = text_ids[:8], text_ids[8:]
-    side = _DraftSide(draft, prompt, len(text_ids) + 4, None)
-    policy = DraftLength(DecodingParams(k=1))
-    side.propose(1, policy)  # feeds the prompt: not a round
-    times = []
-    for round_ in range(min(repeats, (len(rest) - 1) // 2)):
-        side.resync(rest[: 2 * round_ + 2], b"")
-        clock = time.perf_counter()
-        side.propose(1, policy)
-        times.append(time.perf_counter() - clock)
-    return statistics.median(times)
-
-
-def _forward_times(loaded, sizes, repeats: int, context: int) -> list[float]:
-    """Median time of a forward over m tokens for each m in ``sizes``, ``context`` tokens cached.
-
-    The sizes are timed in turn within each repeat, so that a change in the machine's load
-    during the probe shifts every size alike and the ratios rho(m) stay sound.
-    """
-    import mlx.core as mx
-
-    from polspec.decoding.kv import new_cache, prefill, trim
-
-    sizes = list(sizes)
-    caches = []
-    for m in sizes:
-        cache = new_cache(loaded.model, loaded.entry.alias, context + m + 1)
-        prefill(loaded.model, cache, list(range(1, context + 1)))
-        caches.append(cache)
-    inputs = [mx.array([list(range(2, m + 2))]) for m in sizes]
-    return _median_times(loaded.model, inputs, caches, [lambda cache, m=m: trim(cache, m) for m in sizes], repeats)
-
-
-def _batch_forward_times(loaded, size: int, positions, repeats: int, context: int) -> list[float]:
-    """Median time of a forward over ``size`` sequences x m positions for each m in ``positions``,
-    through the batched decoder's ragged cache, ``context`` tokens cached per sequence."""
-    import mlx.core as mx
-
-    from polspec.decoding import batch_kv
-
-    layers = batch_kv.check_batchable(loaded.model, loaded.entry.alias)
-    positions = list(positions)
-    caches = [batch_kv.join(None, [batch_kv.prefill_one(loaded.model, layers, list(range(1, context + 1)))
-                                   for _ in range(size)]) for _ in positions]
-    inputs = [mx.array([list(range(2, m + 2))] * size) for m in positions]
-    undo = [lambda cache, m=m: batch_kv.trim_each(cache, [m] * size) for m in positions]
-    return _median_times(loaded.model, inputs, caches, undo, repeats)
-
-
-def _median_times(model, inputs: list, caches: list, undo: list, repeats: int) -> list[float]:
-    """Median time of ``model`` over each input with its cache, all inputs in turn within a repeat;
-    ``undo[i](cache)`` takes the forward's entries out of the cache again, untimed."""
-    import mlx.core as mx
-
-    times: list[list[float]] = [[] for _ in inputs]
-    for round_ in range(repeats + 1):  # the first round warms each shape up and is not kept
-        for index, (tokens, cache) in enumerate(zip(inputs, caches)):
-            clock = time.perf_counter()
-            mx.eval(model(tokens, cache=cache))
-            if round_:
-                times[index].append(time.perf_counter() - clock)
-            undo[index](cache)
-    return [statistics.median(values) for values in times]
-
-
-@dataclass
-class AcceptanceEstimate:
-    """A running estimate of per-candidate acceptance for one pair and strategy.
-
-    Each round adds its accepted candidates as successes and, if it stopped at a rejection,
-    one failure: the maximum-likelihood estimate of a geometric acceptance process, which a
-    plain accepted/proposed ratio underestimates. Starts from a weak prior of ``a = 0.5``.
-    """
-
-    successes: float = 1.0
-    failures: float = 1.0
-
-    @property
-    def a(self) -> float:
-        return self.successes / (self.successes + self.failures)
-
-    def observe(self, accepted: int, candidates: int) -> None:
-        self.successes += accepted
-        self.failures += 1 if accepted < candidates else 0
-
-
-# One estimate per (target, draft, translation) for the life of the process, so that a worker's
-# later generations start from what earlier ones saw.
-_ESTIMATES: dict[tuple[str, str, str], AcceptanceEstimate] = {}
-
-
-def acceptance_estimate(target: str, draft: str, translation: str) -> AcceptanceEstimate:
-    """The running estimate for a pair and a translation (a strategy; ``aligned/hold`` apart from
-    ``aligned/verify``, whose candidates are accepted at different rates)."""
-    return _ESTIMATES.setdefault((target, draft, translation), AcceptanceEstimate())
+def throughput_batch_size(probe: Probe | None) -> int:
+    """The largest measured batch size whose plain throughput beats the next smaller one's by
+    ``BATCH_GAIN``, from the probe's batch table; without one, the largest of ``BATCH_SIZES``."""
+    if probe is None or not probe.batch:
+        return BATCH_SIZES[-1]
+    costs = sorted(probe.batch, key=lambda cost: cost.size)
+    best = costs[0].size
+    for smaller, larger in zip(costs, costs[1:]):
+        if larger.size / larger.target_s[0] < BATCH_GAIN * smaller.size / smaller.target_s[0]:
+            break
+        best = larger.size
+    return best

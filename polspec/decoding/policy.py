@@ -6,7 +6,8 @@ from polspec import backend  # noqa: F401  (before mlx: the Linux BLAS fix)
 
 import mlx.core as mx
 
-from polspec.decoding.costmodel import AcceptanceEstimate, Probe, best_k
+from polspec.decoding.acceptance import AcceptanceEstimate
+from polspec.decoding.costmodel import Probe, best_k
 from polspec.decoding.params import DecodingParams
 
 # With auto at k = 0, one round in this many drafts a single token anyway, so that the

@@ -7,13 +7,15 @@ from dataclasses import dataclass, field
 
 from polspec import backend  # noqa: F401  (before mlx: the Linux BLAS fix)
 
+from polspec.decoding.acceptance import acceptance_estimate
 from polspec.decoding.autoregressive import generate_autoregressive
 from polspec.decoding.commit import Commit
-from polspec.decoding.costmodel import BATCH_SIZES, Probe, acceptance_estimate, can_pay, load_probe, save_probe
-from polspec.decoding.costmodel import probe as measure_probe
+from polspec.decoding.costmodel import BATCH_SIZES, Probe, can_pay
+from polspec.decoding.measure import measure_probe
 from polspec.decoding.metrics import DecodeMetrics
 from polspec.decoding.params import DecodingParams
 from polspec.decoding.policy import DraftLength
+from polspec.decoding.probe_files import load_probe, save_probe
 from polspec.decoding.prompts import Prompt, encode_prompt, encode_request  # noqa: F401  (encode_prompt: part of this API)
 from polspec.decoding.speculative import generate_speculative
 from polspec.models.loader import LoadedModel
@@ -69,8 +71,7 @@ def auto_draft_length(target: LoadedModel, draft: LoadedModel, params: DecodingP
     probe = stored_probe(target, draft)
     if not can_pay(probe, params.k_max):
         return None
-    translation = f"aligned/{params.partial_word}" if params.strategy == "aligned" else params.strategy
-    return DraftLength(params, probe, acceptance_estimate(target.entry.alias, draft.entry.alias, translation))
+    return DraftLength(params, probe, acceptance_estimate(target.entry.alias, draft.entry.alias, params))
 
 
 def generate(

@@ -107,7 +107,7 @@ class DraftText:
         return common
 
 
-class _DraftSide:
+class DraftSide:
     """The draft's :class:`DraftText` and its single-sequence cache."""
 
     def __init__(self, draft: LoadedModel, prompt: list[int], longest: int, table: TokenBytes | None):
@@ -172,7 +172,7 @@ def generate_speculative(
     start = time.perf_counter()
     target_cache = new_cache(target.model, target.entry.alias, len(target_prompt) + params.max_tokens + cap + 1)
     prefill(target.model, target_cache, target_prompt[:-1])
-    draft_side = _DraftSide(draft, draft_prompt, len(draft_prompt) + 2 * params.max_tokens + cap, tables and tables[0])
+    draft_side = DraftSide(draft, draft_prompt, len(draft_prompt) + 2 * params.max_tokens + cap, tables and tables[0])
     metrics.prefill_s = time.perf_counter() - start
 
     committed: list[int] = []

@@ -26,9 +26,10 @@ from rq import get_current_job
 
 from polspec import __version__
 from polspec.backend import setup as backend_setup
-from polspec.decoding.costmodel import Probe, load_probe
+from polspec.decoding.costmodel import Probe
 from polspec.decoding.metrics import DecodeMetrics
 from polspec.decoding.params import DecodingParams
+from polspec.decoding.probe_files import load_probe
 from polspec.decoding.run import GenerationResult, generate, stored_probe
 from polspec.errors import DatabaseFailure, PolspecError
 from polspec.jobs.spec import GenerateSpec

@@ -34,8 +34,8 @@ from typing import Any
 
 from sqlalchemy import Engine, func, select
 
-from polspec.decoding.costmodel import (PROBE_FORMAT, Probe, break_even_acceptance, load_probe,
-                                       predicted_speedup_of_rounds)
+from polspec.decoding.costmodel import PROBE_FORMAT, Probe, break_even_acceptance, predicted_speedup_of_rounds
+from polspec.decoding.probe_files import load_probe
 from polspec.errors import PolspecError
 from polspec.store.engine import session_scope
 from polspec.store.queries import busy_seconds

@@ -1,0 +1,42 @@
+"""The running acceptance estimate that the ``auto`` draft length feeds on, one per pair and
+translation for the life of the process."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from polspec.decoding.params import DecodingParams
+
+
+@dataclass
+class AcceptanceEstimate:
+    """A running estimate of per-candidate acceptance for one pair and strategy.
+
+    Each round adds its accepted candidates as successes and, if it stopped at a rejection,
+    one failure: the maximum-likelihood estimate of a geometric acceptance process, which a
+    plain accepted/proposed ratio underestimates. Starts from a weak prior of ``a = 0.5``.
+    """
+
+    successes: float = 1.0
+    failures: float = 1.0
+
+    @property
+    def a(self) -> float:
+        return self.successes / (self.successes + self.failures)
+
+    def observe(self, accepted: int, candidates: int) -> None:
+        self.successes += accepted
+        self.failures += 1 if accepted < candidates else 0
+
+
+# One estimate per (target, draft, translation) for the life of the process, so that a worker's
+# later generations start from what earlier ones saw.
+_ESTIMATES: dict[tuple[str, str, str], AcceptanceEstimate] = {}
+
+
+def acceptance_estimate(target: str, draft: str, params: DecodingParams) -> AcceptanceEstimate:
+    """The running estimate for a pair and the translation ``params`` choose: its strategy, and
+    for ``aligned`` its partial-word rule too (``aligned/hold`` apart from ``aligned/verify``,
+    whose candidates are accepted at different rates)."""
+    translation = f"aligned/{params.partial_word}" if params.strategy == "aligned" else params.strategy
+    return _ESTIMATES.setdefault((target, draft, translation), AcceptanceEstimate())

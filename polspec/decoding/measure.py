@@ -1,0 +1,128 @@
+"""Measuring a :class:`~polspec.decoding.costmodel.Probe` on two loaded models: timed target
+and draft forwards, a timed translation and the batch table, on the machine at hand."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+from polspec import backend  # before mlx: the Linux BLAS fix
+
+import mlx.core as mx
+
+from polspec.decoding import batch_kv
+from polspec.decoding.costmodel import BATCH_POSITIONS, BATCH_SIZES, RHO_SIZES, BatchCost, Probe
+from polspec.decoding.kv import new_cache, prefill, trim
+from polspec.decoding.params import DecodingParams
+from polspec.decoding.policy import DraftLength
+from polspec.decoding.probe_files import machine_key
+from polspec.decoding.speculative import DraftSide
+from polspec.decoding.translate import token_bytes, translate_draft_to_target
+from polspec.errors import PolspecError
+from polspec.models.loader import LoadedModel
+
+# Polish text for the translation timing and the draft's proposal rounds.
+_TEXT = ("Kraków jest jednym z najstarszych miast w Polsce. Przez wieki był stolicą kraju, a jego "
+         "Stare Miasto wpisano na listę światowego dziedzictwa UNESCO.")
+
+
+def measure_probe(target: LoadedModel, draft: LoadedModel, repeats: int = 9, context: int = 64,
+                  batch_sizes: tuple[int, ...] = BATCH_SIZES) -> Probe:
+    """Measure c, d, rho(1..9), tau and the batch table for two loaded models on this machine.
+
+    Forward times are medians over ``repeats`` with ``context`` tokens already cached, the
+    way decoding runs, every size timed in turn within a repeat; tau is the median time of an
+    ``aligned`` translation of a k=4 draft chunk of Polish text, over the target step. The
+    batch table times target forwards over B sequences x m positions (m in
+    ``BATCH_POSITIONS``) and a draft step over B sequences for every B in ``batch_sizes``
+    (a third of ``repeats``, at least 3: the large shapes dominate the probe's time).
+    PolspecError when ``repeats`` is below 1.
+    """
+    if repeats < 1:
+        raise PolspecError(f"repeats must be at least 1, got {repeats}")
+    target_times = _forward_times(target, range(1, RHO_SIZES + 1), repeats, context)
+    step = target_times[0]
+    draft_step = _forward_times(draft, [1], repeats, context)[0]
+
+    target_table, draft_table = token_bytes(target.tokenizer._tokenizer), token_bytes(draft.tokenizer._tokenizer)
+    target_ids = target.tokenizer.encode(_TEXT)
+    draft_ids = draft.tokenizer.encode(_TEXT)
+    times = []
+    for start in range(4, len(draft_ids) - 4, 3):
+        clock = time.perf_counter()
+        translate_draft_to_target("aligned", draft_table, target_table, draft_ids[start:start + 4],
+                                  target_ids[: max(1, start)], 5, 10)
+        times.append(time.perf_counter() - clock)
+    batch_repeats = max(3, repeats // 3)
+    batch = tuple(BatchCost(size, tuple(_batch_forward_times(target, size, BATCH_POSITIONS, batch_repeats, context)),
+                            _batch_forward_times(draft, size, [1], batch_repeats, context)[0])
+                  for size in batch_sizes)
+    chosen = backend.setup()
+    return Probe(target.entry.alias, draft.entry.alias, c=draft_step / step, batch=batch,
+                 rho=tuple(t / step for t in target_times), tau=statistics.median(times) / step,
+                 draft_overhead=max(0.0, _draft_round_time(draft, draft_ids, repeats) - draft_step) / step,
+                 target_step_s=step, draft_step_s=draft_step,
+                 machine={"key": machine_key(), "platform": chosen.platform, "device": chosen.device,
+                          "dtype": chosen.dtype, "mlx": chosen.mlx_version})
+
+
+def _draft_round_time(draft: LoadedModel, text_ids: list[int], repeats: int) -> float:
+    """Median time of a real one-token proposal round of the decoder's draft side.
+
+    Each round first re-syncs the draft with two more tokens of committed text, as after a
+    round that accepted one candidate and added the target's own token, then proposes one
+    token; the difference from a bare draft step is the per-round overhead ``d``.
+    """
+    prompt, rest = text_ids[:8], text_ids[8:]
+    side = DraftSide(draft, prompt, len(text_ids) + 4, None)
+    policy = DraftLength(DecodingParams(k=1))
+    side.propose(1, policy)  # feeds the prompt: not a round
+    times = []
+    for round_ in range(min(repeats, (len(rest) - 1) // 2)):
+        side.resync(rest[: 2 * round_ + 2], b"")
+        clock = time.perf_counter()
+        side.propose(1, policy)
+        times.append(time.perf_counter() - clock)
+    return statistics.median(times)
+
+
+def _forward_times(loaded: LoadedModel, sizes, repeats: int, context: int) -> list[float]:
+    """Median time of a forward over m tokens for each m in ``sizes``, ``context`` tokens cached.
+
+    The sizes are timed in turn within each repeat, so that a change in the machine's load
+    during the probe shifts every size alike and the ratios rho(m) stay sound.
+    """
+    sizes = list(sizes)
+    caches = []
+    for m in sizes:
+        cache = new_cache(loaded.model, loaded.entry.alias, context + m + 1)
+        prefill(loaded.model, cache, list(range(1, context + 1)))
+        caches.append(cache)
+    inputs = [mx.array([list(range(2, m + 2))]) for m in sizes]
+    return _median_times(loaded.model, inputs, caches, [lambda cache, m=m: trim(cache, m) for m in sizes], repeats)
+
+
+def _batch_forward_times(loaded: LoadedModel, size: int, positions, repeats: int, context: int) -> list[float]:
+    """Median time of a forward over ``size`` sequences x m positions for each m in ``positions``,
+    through the batched decoder's ragged cache, ``context`` tokens cached per sequence."""
+    layers = batch_kv.check_batchable(loaded.model, loaded.entry.alias)
+    positions = list(positions)
+    caches = [batch_kv.join(None, [batch_kv.prefill_one(loaded.model, layers, list(range(1, context + 1)))
+                                   for _ in range(size)]) for _ in positions]
+    inputs = [mx.array([list(range(2, m + 2))] * size) for m in positions]
+    undo = [lambda cache, m=m: batch_kv.trim_each(cache, [m] * size) for m in positions]
+    return _median_times(loaded.model, inputs, caches, undo, repeats)
+
+
+def _median_times(model, inputs: list, caches: list, undo: list, repeats: int) -> list[float]:
+    """Median time of ``model`` over each input with its cache, all inputs in turn within a repeat;
+    ``undo[i](cache)`` takes the forward's entries out of the cache again, untimed."""
+    times: list[list[float]] = [[] for _ in inputs]
+    for round_ in range(repeats + 1):  # the first round warms each shape up and is not kept
+        for index, (tokens, cache) in enumerate(zip(inputs, caches)):
+            clock = time.perf_counter()
+            mx.eval(model(tokens, cache=cache))
+            if round_:
+                times[index].append(time.perf_counter() - clock)
+            undo[index](cache)
+    return [statistics.median(values) for values in times]
