@@ -7,6 +7,7 @@ import json
 import signal
 import statistics
 
+import click
 import pytest
 import redis
 from click.testing import CliRunner
@@ -14,9 +15,11 @@ from sqlalchemy import select, update
 
 from polspec.cli import main
 from polspec.decoding.costmodel import Probe, break_even_acceptance, predicted_speedup, predicted_speedup_of_rounds
+from polspec.decoding.params import DecodingParams
 from polspec.decoding.probe_files import save_probe
 from polspec.errors import PolspecError
-from polspec.jobs.sweep import expand_sweep
+from polspec.jobs.spec import ITEM_PARAMS
+from polspec.jobs.sweep import expand_sweep, load_sweep
 from polspec.report.render import markdown
 from polspec.report.summary import Row, SweepReport, cell_row, predicted_speedup_of_cell
 from polspec.report.summary import headline as summary_headline
@@ -61,12 +64,30 @@ def test_expansion_counts_baselines_and_drift_fair_order():
     assert {item.item.overrides["partial_word"] for item in held.items} == {"hold"}
 
 
-def test_a_sweep_file_may_leave_out_every_grid_key_but_drafts_and_datasets():
-    plan = expand_sweep({"target": "gemma3-270m", "drafts": ["smollm2-135m"], "datasets": ["pl-short"],
-                         "limit": 2, "max_tokens": 8}, "short.toml")
+def test_a_sweep_file_may_leave_out_every_grid_key_but_drafts_and_datasets(tmp_path):
+    path = tmp_path / "short.toml"
+    path.write_text('target = "gemma3-270m"\ndrafts = ["smollm2-135m"]\ndatasets = ["pl-short"]\n'
+                    'limit = 2\nmax_tokens = 8\n')
+    plan = load_sweep(path)
     assert [cell.key for cell in plan.cells] == ["pl-short/baseline/s0", "pl-short/smollm2-135m/aligned/k2/p5/s0"]
     assert [cell.config["batch"] for cell in plan.cells] == [1, 1]
     assert len(plan.items) == 2 * 2  # no repeats beyond the first
+    # The grid's defaults are the command line's: what `polspec generate` decodes with unless told.
+    generate = main.get_command(click.Context(main), "generate")
+    cli_defaults = generate.make_context("generate", ["Kraków jest"]).params
+    speculative = plan.cells[1]
+    assert (speculative.config["strategy"], speculative.config["k"], speculative.config["prefix"]) == (
+        cli_defaults["strategy"], cli_defaults["k"], cli_defaults["prefix"])
+    assert speculative.params == DecodingParams(**{name: cli_defaults[name] for name in ITEM_PARAMS}
+                                                | {"max_tokens": 8, "seed": 0})
+
+
+def test_an_unknown_key_in_a_sweep_file_is_one_line(tmp_path):
+    path = tmp_path / "typo.toml"
+    path.write_text('target = "gemma3-270m"\ndrafts = ["smollm2-135m"]\ndatasets = ["pl-short"]\nrepeat = 2\n')
+    result = CliRunner().invoke(main, ["enqueue", "sweep", "--config", str(path)])
+    assert result.exit_code == 1 and result.output.count("\n") == 1
+    assert f"{path}: unknown key 'repeat' (allowed: " in result.output
 
 
 def test_batch_sizes_are_a_grid_dimension_enqueued_chunk_by_chunk():

@@ -51,8 +51,12 @@ SWEEP_KEYS = {"name", "target", "drafts", "strategies", "k", "prefix", "datasets
               "seeds", "repeats", "batch", "raw"}
 DATASET_KEYS = {"name", "limit"}
 GRID_KEYS = ("drafts", "strategies", "k", "prefix", "datasets", "seeds", "batch")
-# What a sweep file may leave out: the command line's defaults. `drafts` and `datasets` it must name.
-GRID_DEFAULTS = {"strategies": ["aligned"], "k": [2], "prefix": [5], "seeds": [0], "batch": [1]}
+# What a sweep file may leave out takes the command line's defaults, which are DecodingParams's
+# own; a sweep's seed is 0 rather than the command line's none so that its samples repeat.
+# `drafts` and `datasets` it must name.
+_DEFAULT = DecodingParams()
+GRID_DEFAULTS = {"strategies": [_DEFAULT.strategy], "k": [_DEFAULT.k], "prefix": [_DEFAULT.prefix], "seeds": [0],
+                 "batch": [1]}
 
 
 @dataclass(frozen=True)
@@ -104,7 +108,7 @@ def expand_sweep(config: dict[str, Any], source: str) -> SweepPlan:
     repeats = _at_least_one(config.get("repeats", 1), "'repeats'", source)
     for size in grid["batch"]:
         _at_least_one(size, "every 'batch' size", source)
-    base = _params(config, source, k=2, strategy="aligned", prefix=5, seed=None)
+    base = _params(config, source)
     raw = config.get("raw", False)
     if not isinstance(raw, bool):
         raise PolspecError(f"{source}: 'raw' must be true or false")
@@ -125,7 +129,7 @@ def expand_sweep(config: dict[str, Any], source: str) -> SweepPlan:
         size = "" if batch == 1 else f"/b{batch}"
         baseline = CellPlan(f"{dataset}/baseline/s{seed}{size}",
                             {"dataset": dataset, "draft": None, "seed": seed, "batch": batch}, True,
-                            _params(config, source, k=2, strategy="aligned", prefix=5, seed=seed))
+                            _params(config, source, seed=seed))
         cells = [baseline]
         for draft, strategy, k, prefix in product(grid["drafts"], grid["strategies"], grid["k"], grid["prefix"]):
             cells.append(CellPlan(
