@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import os
 import platform
 import sys
 import sysconfig
@@ -27,9 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from polspec.errors import PolspecError
-
-DEVICES = ("cpu", "gpu")
-DTYPES = ("float32", "float16", "bfloat16", "native")
+from polspec.settings import blas_choice, mlx_device, mlx_dtype
 
 INSTALL_HINT = (
     "no MLX backend is installed: run pip install 'polspec[cpu]' on a Linux CPU, "
@@ -57,7 +54,7 @@ class Backend:
     mlx_version: str
     kind: str  # "metal", "cuda" or "cpu": where the gpu device would run
     device: str  # "cpu" or "gpu": the default device chosen
-    dtype: str  # the dtype policy, one of DTYPES
+    dtype: str  # the dtype policy, one of polspec.settings.DTYPES
     blas: BlasFix
 
 
@@ -124,7 +121,7 @@ def missing_cpu_flags(core: str | None, flags: frozenset[str] | None) -> list[st
 def _preload_blas() -> BlasFix:
     if platform.system() != "Linux":
         return BlasFix(None, "not needed: MLX uses Accelerate on macOS")
-    choice = os.environ.get("POLSPEC_BLAS", "")
+    choice = blas_choice()
     if choice == "off":
         return BlasFix(None, "disabled by POLSPEC_BLAS=off")
     if "mlx.core" in sys.modules:
@@ -165,13 +162,6 @@ def _import_mlx():
     return mx
 
 
-def _choose(name: str, allowed: tuple[str, ...], default: str) -> str:
-    value = os.environ.get(name, "").strip().lower() or default
-    if value not in allowed:
-        raise PolspecError(f"{name}={value!r} is not one of {', '.join(allowed)}")
-    return value
-
-
 def gpu_kind(mx) -> str | None:
     """``metal`` or ``cuda`` when MLX can run on a GPU here, else None."""
     if mx.metal.is_available():
@@ -189,11 +179,11 @@ def setup() -> Backend:
         return _backend
     mx = _import_mlx()
     kind = gpu_kind(mx)
-    device = _choose("POLSPEC_DEVICE", DEVICES, "gpu" if kind else "cpu")
+    device = mlx_device("gpu" if kind else "cpu")
     if device == "gpu" and kind is None:
         raise PolspecError("POLSPEC_DEVICE=gpu but MLX has no Metal or CUDA device here")
     mx.set_default_device(mx.gpu if device == "gpu" else mx.cpu)
-    dtype = _choose("POLSPEC_DTYPE", DTYPES, "float32" if device == "cpu" else "native")
+    dtype = mlx_dtype("float32" if device == "cpu" else "native")
     _backend = Backend(
         platform=f"{platform.system()} {platform.machine()}",
         mlx_version=mx.__version__,

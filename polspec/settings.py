@@ -1,14 +1,20 @@
-"""Settings read from the environment: the data directory, the Redis URL, the database URL.
+"""Settings read from the environment; nothing else in polspec reads it.
 
 ``POLSPEC_HOME`` (default ``~/.cache/polspec``) holds caches and data;
 ``POLSPEC_REDIS_URL`` (default ``redis://127.0.0.1:6379/0``) is the queue;
-``POLSPEC_DB_URL`` (default a SQLite file under ``POLSPEC_HOME``) is the results database.
+``POLSPEC_DB_URL`` (default a SQLite file under ``POLSPEC_HOME``) is the results database and
+``POLSPEC_DB_BUSY_TIMEOUT_MS`` how long SQLite waits for another writer;
+``POLSPEC_DEVICE``, ``POLSPEC_DTYPE`` and ``POLSPEC_BLAS`` choose the MLX backend (see
+:mod:`polspec.backend`); ``POLSPEC_MODEL_CACHE_GB`` bounds the models a worker keeps loaded.
+A value that is set but wrong is a one-line :class:`PolspecError` naming the variable.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+
+from polspec.errors import PolspecError
 
 
 def polspec_home() -> Path:
@@ -44,3 +50,69 @@ def database_url() -> str:
     """Any SQLAlchemy URL; default ``sqlite:///$POLSPEC_HOME/polspec.db``."""
     return os.environ.get("POLSPEC_DB_URL") or f"sqlite:///{polspec_home() / 'polspec.db'}"
 
+
+
+DEFAULT_BUSY_TIMEOUT_MS = 30_000
+
+
+def db_busy_timeout_ms() -> int:
+    """How long a SQLite connection waits for another writer: ``POLSPEC_DB_BUSY_TIMEOUT_MS``."""
+    raw = os.environ.get("POLSPEC_DB_BUSY_TIMEOUT_MS")
+    if not raw:
+        return DEFAULT_BUSY_TIMEOUT_MS
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise PolspecError(f"POLSPEC_DB_BUSY_TIMEOUT_MS must be a whole number of milliseconds, got {raw!r}")
+    return value
+
+
+DEFAULT_MODEL_CACHE_FRACTION = 0.6
+
+
+def model_cache_bytes() -> int:
+    """How much model weight a worker keeps loaded: ``POLSPEC_MODEL_CACHE_GB`` if set, else 60%
+    of physical memory."""
+    raw = os.environ.get("POLSPEC_MODEL_CACHE_GB")
+    if raw:
+        try:
+            value = float(raw)
+        except ValueError:
+            value = -1.0
+        if value <= 0:
+            raise PolspecError(f"POLSPEC_MODEL_CACHE_GB must be a positive number of gigabytes, got {raw!r}")
+        return int(value * 1e9)
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * DEFAULT_MODEL_CACHE_FRACTION)
+
+
+DEVICES = ("cpu", "gpu")
+DTYPES = ("float32", "float16", "bfloat16", "native")
+
+
+def mlx_device(default: str) -> str:
+    """``POLSPEC_DEVICE``, one of :data:`DEVICES`; ``default`` when unset."""
+    return _choice("POLSPEC_DEVICE", DEVICES, default)
+
+
+def mlx_dtype(default: str) -> str:
+    """``POLSPEC_DTYPE``, one of :data:`DTYPES`; ``default`` when unset."""
+    return _choice("POLSPEC_DTYPE", DTYPES, default)
+
+
+def _choice(name: str, allowed: tuple[str, ...], default: str) -> str:
+    value = os.environ.get(name, "").strip().lower() or default
+    if value not in allowed:
+        raise PolspecError(f"{name}={value!r} is not one of {', '.join(allowed)}")
+    return value
+
+
+def blas_choice() -> str:
+    """``POLSPEC_BLAS``: ``off``, a path to a BLAS library, or empty for the bundled OpenBLAS."""
+    return os.environ.get("POLSPEC_BLAS", "")
+
+
+def columns_set() -> bool:
+    """Whether ``COLUMNS`` is set; Rich then takes the output width from it."""
+    return "COLUMNS" in os.environ

@@ -6,9 +6,9 @@ Rich assumes 80 columns off a terminal, which squeezes the tables of ``status``,
 
 from __future__ import annotations
 
-import os
-
 from rich.console import Console
+
+from polspec.settings import columns_set
 
 REDIRECTED_WIDTH = 200
 
@@ -16,6 +16,6 @@ REDIRECTED_WIDTH = 200
 def output_console() -> Console:
     """A console on stdout; ``COLUMNS`` still wins when set."""
     console = Console()
-    if not console.is_terminal and "COLUMNS" not in os.environ:
+    if not console.is_terminal and not columns_set():
         console = Console(width=REDIRECTED_WIDTH)
     return console

@@ -14,7 +14,6 @@ the password hidden; those from a database operation are its subclass :class:`Da
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,28 +25,12 @@ from sqlalchemy.exc import ArgumentError, NoSuchModuleError, OperationalError
 from sqlalchemy.orm import Session
 
 from polspec.errors import DatabaseFailure, PolspecError
-from polspec.settings import database_url
-
-DEFAULT_BUSY_TIMEOUT_MS = 30_000
+from polspec.settings import database_url, db_busy_timeout_ms
 
 
 def display_url(url: str | URL | None = None) -> str:
     """The URL as it may be shown to users: the password is replaced by ``***``."""
     return _parse(url).render_as_string(hide_password=True)
-
-
-def busy_timeout_ms() -> int:
-    """How long a SQLite connection waits for another writer: ``POLSPEC_DB_BUSY_TIMEOUT_MS``."""
-    raw = os.environ.get("POLSPEC_DB_BUSY_TIMEOUT_MS")
-    if not raw:
-        return DEFAULT_BUSY_TIMEOUT_MS
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise PolspecError(f"POLSPEC_DB_BUSY_TIMEOUT_MS must be a whole number of milliseconds, got {raw!r}")
-    return value
 
 
 def make_engine(url: str | URL | None = None, *, readonly: bool = False) -> Engine:
@@ -60,7 +43,7 @@ def make_engine(url: str | URL | None = None, *, readonly: bool = False) -> Engi
     parsed = _parse(url)
     shown = parsed.render_as_string(hide_password=True)
     sqlite = parsed.get_backend_name() == "sqlite"
-    timeout_ms = busy_timeout_ms() if sqlite else 0
+    timeout_ms = db_busy_timeout_ms() if sqlite else 0
     path = sqlite_file(parsed)
     if path is not None and not readonly:
         try:

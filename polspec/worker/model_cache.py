@@ -10,7 +10,6 @@ for another attempt; restart the worker after fixing the cause.
 from __future__ import annotations
 
 import gc
-import os
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -21,22 +20,7 @@ from mlx.utils import tree_flatten
 
 from polspec.errors import PolspecError
 from polspec.models.loader import LoadedModel, load_model
-
-DEFAULT_BUDGET_FRACTION = 0.6
-
-
-def default_budget_bytes() -> int:
-    """``POLSPEC_MODEL_CACHE_GB`` if set, else 60% of physical memory."""
-    raw = os.environ.get("POLSPEC_MODEL_CACHE_GB")
-    if raw:
-        try:
-            value = float(raw)
-        except ValueError:
-            value = -1.0
-        if value <= 0:
-            raise PolspecError(f"POLSPEC_MODEL_CACHE_GB must be a positive number of gigabytes, got {raw!r}")
-        return int(value * 1e9)
-    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * DEFAULT_BUDGET_FRACTION)
+from polspec.settings import model_cache_bytes
 
 
 def model_bytes(model: LoadedModel) -> int:
@@ -47,7 +31,7 @@ class ModelCache:
     """``get(alias)`` returns a loaded model, loading it (and evicting others) when needed."""
 
     def __init__(self, budget_bytes: int | None = None, loader: Callable[[str], LoadedModel] = load_model):
-        self.budget = default_budget_bytes() if budget_bytes is None else budget_bytes
+        self.budget = model_cache_bytes() if budget_bytes is None else budget_bytes
         self.loader = loader
         self.models: OrderedDict[str, tuple[LoadedModel, int]] = OrderedDict()
         self.failures: dict[str, str] = {}

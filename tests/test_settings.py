@@ -1,0 +1,32 @@
+"""Settings: every environment variable is read in polspec.settings, and bad values are one line."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+import polspec
+from polspec.errors import PolspecError
+from polspec.settings import model_cache_bytes
+
+
+def test_only_settings_reads_the_environment():
+    package = Path(polspec.__file__).parent
+    readers = [str(path.relative_to(package)) for path in sorted(package.rglob("*.py"))
+               if path.name != "settings.py" or path.parent != package
+               if re.search(r"\benviron\b|\bgetenv\b", path.read_text(encoding="utf-8"))]
+    assert readers == []
+
+
+def test_the_model_cache_budget_is_gigabytes_or_a_share_of_memory(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("POLSPEC_MODEL_CACHE_GB", "2.5")
+    assert model_cache_bytes() == 2_500_000_000
+    monkeypatch.delenv("POLSPEC_MODEL_CACHE_GB")
+    assert model_cache_bytes() > 0
+    for bad in ("lots", "0"):
+        monkeypatch.setenv("POLSPEC_MODEL_CACHE_GB", bad)
+        with pytest.raises(PolspecError, match=f"^POLSPEC_MODEL_CACHE_GB must be a positive number of gigabytes, "
+                                               f"got '{bad}'$"):
+            model_cache_bytes()
