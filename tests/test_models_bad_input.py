@@ -48,6 +48,7 @@ def test_unknown_alias_lists_close_matches(isolated_home):
     assert "unknown model alias 'gema3-270m'" in output and "gemma3-270m" in output
 
 
+@pytest.mark.slow
 def test_truncated_gguf_names_the_file_and_leaves_no_import(isolated_home, tmp_path, smollm2_gguf):
     truncated = tmp_path / "truncated.gguf"
     with open(smollm2_gguf, "rb") as source:
@@ -57,6 +58,7 @@ def test_truncated_gguf_names_the_file_and_leaves_no_import(isolated_home, tmp_p
     assert leftovers(models_dir()) == []
 
 
+@pytest.mark.slow
 def test_header_cut_short_is_reported_as_corrupt(isolated_home, tmp_path, smollm2_gguf):
     cut = tmp_path / "cut.gguf"
     with open(smollm2_gguf, "rb") as source:
@@ -92,6 +94,7 @@ def test_missing_gguf_file(isolated_home, tmp_path):
     assert code == 1 and "nowhere.gguf: no such GGUF file" in output
 
 
+@pytest.mark.slow
 def test_sha256_mismatch_after_assembly_caches_nothing(isolated_home):
     (isolated_home / "models.toml").parent.mkdir(parents=True)
     real = load_registry().tokenizer("tok:mistral-32k")
@@ -103,6 +106,7 @@ def test_sha256_mismatch_after_assembly_caches_nothing(isolated_home):
     assert leftovers(blobs_dir()) == []
 
 
+@pytest.mark.slow
 def test_package_missing_from_the_index(isolated_home):
     (isolated_home / "models.toml").parent.mkdir(parents=True)
     (isolated_home / "models.toml").write_text(
@@ -136,6 +140,7 @@ def tiny_disk(tmp_path):
     subprocess.run(["umount", str(mountpoint)], check=True)
 
 
+@pytest.mark.slow
 def test_full_disk_during_fetch_removes_partial_files(tiny_disk, monkeypatch):
     monkeypatch.setenv("POLSPEC_HOME", str(tiny_disk))
     # The mistral-common wheel is about 6.5 MB: it cannot fit on a 3 MiB disk.

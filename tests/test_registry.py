@@ -55,6 +55,7 @@ def test_user_file_adds_and_overrides(isolated_home):
     assert registry.model("smollm2-135m").sha256  # built-ins stay
 
 
+@pytest.mark.slow
 def test_dir_source_loads_a_model_directory(isolated_home, smollm2):
     isolated_home.mkdir(parents=True)
     (isolated_home / "models.toml").write_text(

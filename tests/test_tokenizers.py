@@ -363,6 +363,7 @@ def test_llama3_chat_template_is_llama3s(tokenizer_of) -> None:
 # --- GGUF-imported models against independent readings of the same file ----------------------
 
 
+@pytest.mark.slow  # reads every GGUF file whole, weights included
 @pytest.mark.parametrize("alias", GGUF_ALIASES)
 def test_imported_tokenizer_matches_transformers_reading_the_gguf(alias: str, tokenizer_of, gguf_file_of) -> None:
     """transformers builds a tokenizer straight from the GGUF file: the import must change nothing."""
