@@ -79,7 +79,7 @@ def test_enqueue_writes_batch_items_and_one_job_each(env, tmp_path):
     engine.dispose()
     assert all(job is not None for job in jobs.values())
     job_b = jobs[job_id(database_id(make_engine(env["POLSPEC_DB_URL"])), ids["b"])]
-    assert job_b.func_name == "polspec.jobs.tasks.run_item" and job_b.retries_left == 2
+    assert job_b.func_name == "polspec.worker.tasks.run_item" and job_b.retries_left == 2
     assert job_b.timeout == JOB_TIMEOUT_BASE_S + 5 * JOB_TIMEOUT_PER_TOKEN_S
     # JSON on the wire (RQ zlib-compresses it), never pickle.
     raw = redis.Redis.from_url(env["POLSPEC_REDIS_URL"]).hget(f"rq:job:{job_b.id}", "data")

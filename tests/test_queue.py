@@ -21,7 +21,7 @@ from polspec.cli import main
 from polspec.decoding import DecodingParams, generate
 from polspec.errors import PolspecError
 from polspec.jobs.control import _requeue_abandoned
-from polspec.jobs.queue import queue_name
+from polspec.jobs.queue import JOB_FUNCTION, queue_name
 from polspec.store.engine import make_engine, session_scope
 from polspec.store.items import Worker, claim_item
 from polspec.store.migrate import upgrade
@@ -208,6 +208,41 @@ def test_a_model_that_fails_to_load_fails_its_items_and_the_worker_goes_on(env, 
     broken, fine = by_batch[1], by_batch[2]
     assert all(item.status == "failed" and "broken failed to load" in item.last_error for item in broken)
     assert fine[0].status == "done"
+
+
+OLD_JOB_FUNCTION = "polspec.jobs.tasks.run_item"  # where the job function lived until it moved into worker/
+
+
+def requeue_as_an_older_polspec_did(env: dict[str, str], target: str) -> list[str]:
+    """Replace every queued job of ``target`` by one naming the job function's old path."""
+    connection = redis.Redis.from_url(env["POLSPEC_REDIS_URL"])
+    queue = Queue(queue_name(target), connection=connection, serializer=JSONSerializer)
+    ids = queue.get_job_ids()
+    for job in Job.fetch_many(ids, connection=connection, serializer=JSONSerializer):
+        job.delete()
+        queue.enqueue(OLD_JOB_FUNCTION, *job.args, job_id=job.id)
+    return ids
+
+
+def test_recover_gives_jobs_queued_under_the_old_function_path_a_current_one(env):
+    cli(env, "enqueue", "generate", "--dataset", "pl-short", "--limit", "2", "--target", "smollm2-135m")
+    ids = requeue_as_an_older_polspec_did(env, "smollm2-135m")
+    code, output = cli(env, "recover")
+    assert code == 0 and "re-enqueued 2 items (2 job of an older polspec)" in output
+    connection = redis.Redis.from_url(env["POLSPEC_REDIS_URL"])
+    queue = Queue(queue_name("smollm2-135m"), connection=connection, serializer=JSONSerializer)
+    assert queue.get_job_ids() == ids
+    assert {job.func_name for job in queue.get_jobs()} == {JOB_FUNCTION}
+    assert "nothing to recover" in cli(env, "recover")[1]
+
+
+@pytest.mark.slow
+def test_a_job_queued_under_the_old_function_path_still_runs(env):
+    cli(env, "enqueue", "generate", "--dataset", "pl-short", "--limit", "1", "--target", "smollm2-135m",
+        "--max-tokens", "2")
+    requeue_as_an_older_polspec_did(env, "smollm2-135m")
+    assert work(env)  # a worker recovers before it takes jobs
+    assert [item.status for item, result in results_by_key(env).values() if result] == ["done"]
 
 
 def test_worker_on_a_misspelled_queue_is_a_one_line_error(env):

@@ -5,7 +5,6 @@
 - ``sweep``: a sweep file expanded into cells and items;
 - ``enqueue``: batches and sweeps written to the database, then enqueued;
 - ``queue``: Redis and RQ as polspec uses them (queue names, job ids, timeouts);
-- ``tasks``: the one RQ job function, which generates an item and stores its result;
 - ``control``: recover, cancel and retry, bringing Redis in line with the database;
 - ``local_redis``: a private redis-server when none is running (for the demo).
 """

@@ -6,7 +6,9 @@ re-enqueues those whose job cannot finish on its own:
 
 - a *running* item whose worker is gone (dead pid on this host, or a lease that ran out) goes
   back to queued and gets a fresh job;
-- a *queued* item gets a fresh job when its job is missing, already ended, or not in its queue.
+- a *queued* item gets a fresh job when its job is missing, already ended, not in its queue, or
+  names another function than :data:`~polspec.jobs.queue.JOB_FUNCTION` (queued by an older
+  polspec, before the job function moved).
 
 Items of cancelled batches are left alone. Re-enqueueing replaces the item's job (the job id is
 deterministic), so running recover twice never delivers an item twice.
@@ -22,7 +24,7 @@ from rq.job import JobStatus
 from sqlalchemy import Engine, select, update
 
 from polspec.errors import PolspecError
-from polspec.jobs.queue import delete_jobs, enqueue_items, fetch_jobs, job_id, make_queue, queue_name
+from polspec.jobs.queue import JOB_FUNCTION, delete_jobs, enqueue_items, fetch_jobs, job_id, make_queue, queue_name
 from polspec.store.engine import session_scope
 from polspec.store.items import DEFAULT_LEASE_S, Worker, database_id, owner_gone
 from polspec.store.schema import Batch, Item, Status, utcnow
@@ -68,6 +70,8 @@ def recover(engine: Engine, connection: redis.Redis, batch_id: int | None = None
             reason = "worker gone"
         elif job is None:
             reason = "job missing"
+        elif job.get_status(refresh=False) in _WAITING and job.func_name != JOB_FUNCTION:
+            reason = "job of an older polspec"
         elif job.get_status(refresh=False) in _WAITING:
             if name not in waiting_ids:
                 waiting_ids[name] = set(make_queue(connection, name).get_job_ids())

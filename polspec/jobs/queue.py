@@ -26,7 +26,9 @@ from rq.serializers import JSONSerializer
 from polspec.errors import PolspecError
 from polspec.settings import redis_url
 
-JOB_FUNCTION = "polspec.jobs.tasks.run_item"
+# The worker runs only this function. Jobs enqueued before it moved into polspec.worker name
+# the old path; recover (which every worker runs first) gives them a job under this one.
+JOB_FUNCTION = "polspec.worker.tasks.run_item"
 RETRIES = 2
 # Model loading (first job of a model) plus decoding at a pessimistic 2 s per token.
 JOB_TIMEOUT_BASE_S = 600

@@ -1,4 +1,5 @@
-"""The RQ worker that keeps models resident, and the energy meters it measures with."""
+"""The RQ worker that keeps models resident, the job function it runs (``tasks``), and the energy
+meters it measures with."""
 
 # Here rather than in ``worker.py`` so that the command line shows them without importing MLX.
 HEARTBEAT_INTERVAL_S = 10  # seconds between heartbeats while a job runs

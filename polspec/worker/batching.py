@@ -44,12 +44,12 @@ from polspec.decoding.run import Transcript
 from polspec.errors import PolspecError
 from polspec.jobs.queue import JOB_FUNCTION
 from polspec.jobs.spec import GenerateSpec
-from polspec.jobs.tasks import PROGRESS_INTERVAL_S, item_probe, load_models, prompt_of, result_row
 from polspec.models.loader import LoadedModel
 from polspec.store.items import Pairing, cancelled_items, claim_item, fail_item, finish_item, item_pairings
 from polspec.store.schema import Status
 from polspec.worker import context
 from polspec.worker.energy import EnergyReading
+from polspec.worker.tasks import PROGRESS_INTERVAL_S, item_probe, load_models, prompt_of, result_row
 
 if TYPE_CHECKING:
     from polspec.worker.worker import PolspecWorker
