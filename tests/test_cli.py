@@ -118,7 +118,7 @@ def test_generate_streams_greedy_polish_and_reports_json(gemma3):
 
 
 @pytest.mark.parametrize("args, message", [
-    pytest.param(["generate", "   "], "polspec: error: the prompt is empty", marks=pytest.mark.slow),
+    (["generate", "   "], "polspec: error: the prompt is empty"),
     (["generate", "x", "--target", "gemma-270m"], "polspec: error: unknown model alias 'gemma-270m'; did you mean gemma3-270m"),
 ])
 def test_generate_bad_input(args, message):

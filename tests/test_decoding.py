@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 from collections import Counter
 
 import pytest
@@ -174,6 +176,19 @@ def test_empty_prompt(gemma3):
 
 
 @pytest.mark.slow
+def test_the_decoder_refuses_the_messages_enqueue_refuses(smollm2, tmp_path):
+    # A message with a key besides role and content: enqueue refused it, the decoder let it through.
+    messages = [{"role": "user", "content": "Napisz zdanie o Krakowie.", "name": "Ola"}]
+    refusal = "messages[0] must be an object with a string 'role' and 'content'"
+    with pytest.raises(PolspecError, match=re.escape(refusal)):
+        generate(smollm2, None, messages, DecodingParams(max_tokens=2))
+    source = tmp_path / "p.jsonl"
+    source.write_text(json.dumps({"id": "a", "messages": messages}) + "\n")
+    result = CliRunner().invoke(main, ["enqueue", "generate", "--input", str(source), "--target", "smollm2-135m"])
+    assert result.exit_code == 1 and result.output == f"polspec: error: {source}:1: {refusal}\n"
+
+
+@pytest.mark.slow
 def test_prompt_longer_than_the_context_gives_both_lengths(smollm2):
     with pytest.raises(PolspecError, match=r"the prompt has \d{4,} tokens and 10 more were asked for, but smollm2-135m takes at most 8192"):
         generate(smollm2, None, "kot " * 9000, DecodingParams(max_tokens=10), chat=False)
@@ -208,7 +223,7 @@ def test_cli_streams_and_marks_accepted_text(gemma3, smollm2):
     marked = runner.invoke(main, args + ["--show-accepted"])
     as_json = runner.invoke(main, args + ["--json"])
     assert plain.exit_code == marked.exit_code == as_json.exit_code == 0, plain.output + marked.output
-    result = __import__("json").loads(as_json.output)
+    result = json.loads(as_json.output)
     assert plain.output.strip() == result["text"].strip()
     accepted = "".join(text for text, from_draft in result["spans"] if from_draft)
     assert marked.output.replace("[", "").replace("]", "") == plain.output

@@ -245,6 +245,24 @@ def test_a_job_queued_under_the_old_function_path_still_runs(env):
     assert [item.status for item, result in results_by_key(env).values() if result] == ["done"]
 
 
+@pytest.mark.slow
+def test_enqueue_and_the_worker_agree_on_chat_mode(env, home_with_models, smollm2):
+    # A model directory registered by hand with no chat_template key: the registry says it has
+    # no template, its tokenizer has one. Enqueue went by the registry (raw mode, so a draft
+    # without a template will do) and the decoder by the tokenizer (chat mode, so every item
+    # failed on the draft's missing template); both go by the registry now.
+    (home_with_models / "models.toml").write_text(
+        f'[models.smol-dir]\nsource = "dir:{smollm2.path}"\narchitecture = "llama"\neos_tokens = ["<|im_end|>"]\n')
+    code, output = cli(env, "enqueue", "generate", "--dataset", "pl-short", "--limit", "1", "--target", "smol-dir",
+                       "--draft", "gemma3-270m", "--max-tokens", "4")
+    assert code == 0, output
+    assert work(env)
+    [(item, result)] = results_by_key(env).values()
+    assert item.status == "done", item.last_error
+    raw = generate(smollm2, None, item.prompt, DecodingParams(max_tokens=4), chat=False)
+    assert result.token_ids == raw.token_ids
+
+
 def test_worker_on_a_misspelled_queue_is_a_one_line_error(env):
     upgrade(env["POLSPEC_DB_URL"])
     code, output = cli(env, "worker", "--burst", "--queue", "gema3-270m")

@@ -56,10 +56,12 @@ def generate(prompt: str, target: str, draft: str, raw: bool, show_accepted: boo
       polspec generate "Napisz haiku o Wiśle." --target qwen2.5-coder-1.5b --draft gemma3-270m --raw --json
     """
     from polspec.decoding.metrics import DecodeMetrics
+    from polspec.decoding.prompts import check_prompt
     from polspec.decoding.run import generate as generate_text, stream
     from polspec.models.loader import load_model
 
     params = decoding_params(options)
+    check_prompt(prompt)  # before the models load: an empty prompt is told at once
     target_model = load_model(target)
     draft_model = None if draft == "none" else load_model(draft)
     chat = False if raw else None

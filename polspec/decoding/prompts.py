@@ -2,15 +2,46 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from polspec.decoding.params import DecodingParams
 from polspec.errors import PolspecError
-from polspec.models.loader import LoadedModel
+from polspec.models.registry import ModelEntry
+
+if TYPE_CHECKING:  # for annotations only: enqueue checks prompts here without importing MLX
+    from polspec.models.loader import LoadedModel
 
 Prompt = str | list[dict]
 
 
-def has_chat_template(model: LoadedModel) -> bool:
-    return bool(getattr(model.tokenizer, "chat_template", None))
+def check_prompt(prompt: Prompt) -> None:
+    """Refuse a prompt that no model can run. The one check, at enqueue (every line, before
+    anything is written) and in the decoder, so that enqueue never accepts what every item
+    would then fail on."""
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise PolspecError("the prompt is empty")
+        return
+    check_messages(prompt)
+
+
+def check_messages(messages: object) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise PolspecError("'messages' must be a non-empty list of {role, content} objects")
+    for index, message in enumerate(messages):
+        if (not isinstance(message, dict) or set(message) != {"role", "content"}
+                or not all(isinstance(value, str) for value in message.values())):
+            raise PolspecError(f"messages[{index}] must be an object with a string 'role' and 'content'")
+    if not any(message["content"].strip() for message in messages):
+        raise PolspecError("the messages are all empty")
+
+
+def chat_mode(target: ModelEntry, chat: bool | None) -> bool:
+    """Whether a request goes through the chat templates: ``chat``, or when None whether the
+    target has a template. The registry says whether a model has one, not its tokenizer: enqueue
+    decides before any model is loaded (on a machine that may not even have it), and the
+    decoder must decide the same."""
+    return target.chat_template if chat is None else chat
 
 
 def encode_prompt(model: LoadedModel, prompt: Prompt, chat: bool) -> list[int]:
@@ -21,12 +52,12 @@ def encode_prompt(model: LoadedModel, prompt: Prompt, chat: bool) -> list[int]:
     """
     alias = model.entry.alias
     if chat:
-        if not has_chat_template(model):
+        if not model.entry.chat_template:
             raise PolspecError(f"{alias} has no chat template; run in raw mode (--raw) or choose another model")
+        if not getattr(model.tokenizer, "chat_template", None):
+            raise PolspecError(f"{alias} is registered with a chat template but its tokenizer has none: "
+                               "set chat_template = false for it in models.toml, or run in raw mode (--raw)")
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                   for m in messages):
-            raise PolspecError("messages must be objects with a string 'role' and a string 'content'")
         try:
             return list(model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
         except Exception as error:  # the template's own checks (role order, ...) raise jinja errors
@@ -43,11 +74,8 @@ def encode_request(
 
     ``chat=None`` uses the chat template when the target has one.
     """
-    text = prompt if isinstance(prompt, str) else " ".join(
-        m["content"] for m in prompt if isinstance(m, dict) and isinstance(m.get("content"), str))
-    if not text.strip():
-        raise PolspecError("the prompt is empty")
-    chat = has_chat_template(target) if chat is None else chat
+    check_prompt(prompt)
+    chat = chat_mode(target.entry, chat)
     target_ids = encode_prompt(target, prompt, chat)
     limit = target.context_length
     if limit and len(target_ids) + params.max_tokens > limit:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from polspec.decoding.params import DecodingParams
+from polspec.decoding.prompts import chat_mode, check_messages, check_prompt
 from polspec.errors import PolspecError
 from polspec.models.registry import load_registry
 
@@ -69,7 +70,7 @@ def check_models(spec: GenerateSpec, items: list[ItemInput]) -> None:
     registry = load_registry()
     target = registry.model(spec.target)
     draft = registry.model(spec.draft) if spec.draft is not None else None
-    chat = target.chat_template if spec.chat is None else spec.chat
+    chat = chat_mode(target, spec.chat)
     with_messages = next((item.key for item in items if item.messages is not None), None)
     if with_messages is not None and not chat:
         reason = "--raw was given" if spec.chat is False else f"{target.alias} has no chat template"
@@ -135,10 +136,13 @@ def parse_item(data: Any, where: str, base: DecodingParams) -> ItemInput:
         raise PolspecError(f"{where}: give exactly one of 'prompt' or 'messages'")
     if prompt is not None and not isinstance(prompt, str):
         raise PolspecError(f"{where}: 'prompt' must be a string")
-    if prompt is not None and not prompt.strip():
-        raise PolspecError(f"{where}: the prompt is empty")
-    if messages is not None:
-        _check_messages(messages, where)
+    try:
+        if prompt is not None:
+            check_prompt(prompt)
+        else:
+            check_messages(messages)
+    except PolspecError as error:
+        raise PolspecError(f"{where}: {error}") from None
     overrides = {name: data[name] for name in ITEM_PARAMS if name in data}
     item = ItemInput(str(key), prompt, messages, overrides)
     try:
@@ -146,14 +150,3 @@ def parse_item(data: Any, where: str, base: DecodingParams) -> ItemInput:
     except (PolspecError, TypeError) as error:
         raise PolspecError(f"{where}: {error}") from None
     return item
-
-
-def _check_messages(messages: Any, where: str) -> None:
-    if not isinstance(messages, list) or not messages:
-        raise PolspecError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
-    for index, message in enumerate(messages):
-        if (not isinstance(message, dict) or set(message) != {"role", "content"}
-                or not all(isinstance(value, str) for value in message.values())):
-            raise PolspecError(f"{where}: messages[{index}] must be an object with a string 'role' and 'content'")
-    if not any(message["content"].strip() for message in messages):
-        raise PolspecError(f"{where}: the messages are all empty")
