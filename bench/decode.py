@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from itertools import product
 from collections.abc import Iterator
 from importlib import resources
 
@@ -71,32 +72,35 @@ def prompts(count: int, dataset: str | None) -> list[str]:
 
 
 def speed_table(target_alias: str, drafts: list[str], strategies: list[str], ks: list, prompt_list: list[str],
-                max_tokens: int) -> Iterator[str]:
+                max_tokens: int, vocabs: list) -> Iterator[str]:
     """The speed table's lines, each row as soon as its configuration has run."""
     target = load_model(target_alias)
-    yield "| draft | strategy | k | speed vs target-only (median, min-max) | accepted / candidate | accepted / draft token | tokens / round | translate / verify |"
-    yield "|---|---|---|---|---|---|---|---|"
+    yield ("| draft | vocab | strategy | k | speed vs target-only (median, min-max) | accepted / candidate "
+           "| accepted / draft token | tokens / round | translate / verify | draft / verify |")
+    yield "|---|---|---|---|---|---|---|---|---|---|"
     for draft_alias in drafts:
         draft = load_model(draft_alias)
-        for name in strategies:
+        for (vocab, name, k) in product(vocabs, strategies, ks):
             strategy, partial_word = translation(name)
-            params = {"strategy": strategy, "partial_word": partial_word}
-            for k in ks:
-                ratios, metrics = [], []
-                for prompt in prompt_list:
-                    base = generate(target, None, prompt, DecodingParams(max_tokens=max_tokens), chat=False)
-                    spec = generate(target, draft, prompt, DecodingParams(max_tokens=max_tokens, k=k, **params), chat=False)
-                    assert spec.token_ids == base.token_ids, f"not lossless on {prompt!r}"
-                    ratios.append(spec.metrics.decode_tokens_per_s / base.metrics.decode_tokens_per_s)
-                    metrics.append(spec.metrics)
-                per_candidate = sum(m.candidates_accepted for m in metrics) / max(1, sum(m.candidates for m in metrics))
-                per_draft = sum(m.draft_tokens_accepted for m in metrics) / max(1, sum(m.draft_tokens for m in metrics))
-                per_round = sum(m.generated_tokens for m in metrics) / sum(m.rounds for m in metrics)
-                overhead = sum(m.translate_s for m in metrics) / sum(m.verify_s for m in metrics)
-                yield (
-                    f"| {draft_alias} | {name} | {k} | {statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}) "
-                    f"| {per_candidate:.1%} | {per_draft:.1%} | {per_round:.2f} | {overhead:.1%} |"
-                )
+            params = {"strategy": strategy, "partial_word": partial_word, "draft_vocab": vocab}
+            ratios, metrics = [], []
+            for prompt in prompt_list:
+                base = generate(target, None, prompt, DecodingParams(max_tokens=max_tokens), chat=False)
+                spec = generate(target, draft, prompt, DecodingParams(max_tokens=max_tokens, k=k, **params), chat=False)
+                assert spec.token_ids == base.token_ids, f"not lossless on {prompt!r}"
+                ratios.append(spec.metrics.decode_tokens_per_s / base.metrics.decode_tokens_per_s)
+                metrics.append(spec.metrics)
+            per_candidate = sum(m.candidates_accepted for m in metrics) / max(1, sum(m.candidates for m in metrics))
+            per_draft = sum(m.draft_tokens_accepted for m in metrics) / max(1, sum(m.draft_tokens for m in metrics))
+            per_round = sum(m.generated_tokens for m in metrics) / sum(m.rounds for m in metrics)
+            overhead = sum(m.translate_s for m in metrics) / sum(m.verify_s for m in metrics)
+            drafting = sum(m.draft_s for m in metrics) / sum(m.verify_s for m in metrics)
+            size = metrics[0].draft_vocab or "full"
+            yield (
+                f"| {draft_alias} | {size} | {name} | {k} | {statistics.median(ratios):.2f}x "
+                f"({min(ratios):.2f}-{max(ratios):.2f}) | {per_candidate:.1%} | {per_draft:.1%} | {per_round:.2f} "
+                f"| {overhead:.1%} | {drafting:.2f} |"
+            )
 
 
 def main() -> None:
@@ -110,6 +114,8 @@ def main() -> None:
     parser.add_argument("--dataset", help="Take the prompts from a built-in set (pl-wiki, pl-struct, ...) "
                                           "instead of the openings of the built-in Polish texts.")
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--draft-vocab", default="auto",
+                        help="Comma-separated draft vocabularies: auto, full or a number of tokens.")
     parser.add_argument("--fidelity", action="store_true", help="Only the oracle fidelity table.")
     parser.add_argument("--no-fidelity", action="store_true", help="Only the speed table.")
     args = parser.parse_args()
@@ -124,8 +130,9 @@ def main() -> None:
     strategies = [s for s in args.strategies.split(",") if translation(s)[0] in STRATEGIES]
     source = f"the first of {args.dataset}" if args.dataset else "openings of the built-in texts"
     print(f"\nTarget {args.target}, greedy, {args.max_tokens} tokens, {args.prompts} prompts ({source}):\n")
+    vocabs = [int(v) if v.isdigit() else v for v in args.draft_vocab.split(",")]
     for line in speed_table(args.target, args.drafts.split(","), strategies, ks, prompts(args.prompts, args.dataset),
-                            args.max_tokens):
+                            args.max_tokens, vocabs):
         print(line, flush=True)
 
 

@@ -10,7 +10,7 @@ import pytest
 from polspec.decoding import DecodingParams, generate
 from polspec.decoding.acceptance import AcceptanceEstimate, acceptance_estimate
 from polspec.decoding.costmodel import (
-    BATCH_POSITIONS, BATCH_SIZES, BatchCost, Probe, best_k, break_even_acceptance, can_pay, expected_tokens,
+    BATCH_POSITIONS, BATCH_SIZES, PROBE_FORMAT, BatchCost, Probe, best_k, break_even_acceptance, can_pay, expected_tokens,
     predicted_speedup, predicted_speedup_of_rounds, round_cost, throughput_batch_size,
 )
 from polspec.decoding.measure import measure_probe
@@ -105,11 +105,11 @@ def test_auto_policy_explores_while_plain_decoding_pays_best():
 
 
 @pytest.mark.parametrize("stored", [
-    '{"format": 1, "target": "t", "draft": "d", "c": 0.2, "rho": [1.0, 1.1',  # cut short mid-write
-    '{"format": 1, "target": "t", "draft": "d", "c": 0.2, "tau": 0.0}',  # no rho
-    '{"format": 1, "target": "t", "draft": "d", "c": "fast", "rho": [1.0, 1, 1, 1, 1, 1, 1, 1, 1], "tau": 0.0}',
-    '{"format": 1, "target": "t", "draft": "d", "c": 0.2, "rho": [], "tau": 0.0}',
-    '{"format": 1, "target": "t", "draft": "d", "c": 0.2, "rho": [1.0, 1.2], "tau": -0.1}',
+    f'{{"format": {PROBE_FORMAT}, "target": "t", "draft": "d", "c": 0.2, "rho": [1.0, 1.1',  # cut short mid-write
+    f'{{"format": {PROBE_FORMAT}, "target": "t", "draft": "d", "c": 0.2, "tau": 0.0}}',  # no rho
+    f'{{"format": {PROBE_FORMAT}, "target": "t", "draft": "d", "c": "fast", "rho": [1.0, 1, 1, 1, 1, 1, 1, 1, 1], "tau": 0.0}}',
+    f'{{"format": {PROBE_FORMAT}, "target": "t", "draft": "d", "c": 0.2, "rho": [], "tau": 0.0}}',
+    f'{{"format": {PROBE_FORMAT}, "target": "t", "draft": "d", "c": 0.2, "rho": [1.0, 1.2], "tau": -0.1}}',
     "[1, 2, 3]",
 ])
 def test_an_unreadable_probe_counts_as_never_measured(stored, isolated_home, caplog):
@@ -143,6 +143,8 @@ def test_stored_probe_is_measured_on_first_use_then_read_back(gemma3, smollm2, h
     first = stored_probe(gemma3, smollm2)
     assert load_probe("gemma3-270m", "smollm2-135m") == first
     assert stored_probe(gemma3, smollm2) == first  # a second measurement would differ in its timings
+    pruned = stored_probe(gemma3, smollm2, draft_vocab=2048)  # the draft's step depends on its vocabulary
+    assert pruned != first and pruned.draft_vocab >= 2048 and load_probe("gemma3-270m", "smollm2-135m") == pruned
 
 
 @pytest.mark.slow

@@ -6,9 +6,23 @@ from collections.abc import Callable
 
 import click
 
-from polspec.decoding.params import K_POLICIES, MAX_K, PARTIAL_WORD, STRATEGIES
+from polspec.decoding.params import DRAFT_VOCAB, K_POLICIES, MAX_K, PARTIAL_WORD, STRATEGIES
 
 DEFAULT_TARGET = "gemma3-270m"
+
+
+class DraftVocabType(click.ParamType):
+    """A number of tokens, or auto or full."""
+
+    name = "N|auto|full"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int) or value in DRAFT_VOCAB:
+            return value
+        try:
+            return int(value)
+        except ValueError:
+            self.fail(f"{value!r} is neither a number of tokens nor one of {', '.join(DRAFT_VOCAB)}", param, ctx)
 
 
 class DraftLengthType(click.ParamType):
@@ -38,6 +52,9 @@ _OPTIONS = [
     click.option("--partial-word", default="verify", show_default=True, type=click.Choice(PARTIAL_WORD),
                  help="aligned only: verify the tokens of a word the draft stopped inside (one more position in "
                       "the same forward), or hold them for the next round (fewer rejected candidates)."),
+    click.option("--draft-vocab", default="auto", show_default=True, type=DraftVocabType(),
+                 help="Tokens the draft may propose: its N most frequent on Polish text (a cheaper draft step, "
+                      "still lossless), full, or auto (pruned to 32768 where the draft's vocabulary is large)."),
     click.option("--max-tokens", default=128, show_default=True, type=int, help="Tokens to generate at most."),
     click.option("--temperature", default=0.0, show_default=True, type=float, help="0 is greedy decoding."),
     click.option("--top-p", default=1.0, show_default=True, type=float, help="Nucleus sampling mass, in (0, 1]."),

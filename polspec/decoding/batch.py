@@ -38,6 +38,8 @@ from polspec.decoding import batch_kv
 from polspec.decoding.acceptance import acceptance_estimate
 from polspec.decoding.commit import Commit
 from polspec.decoding.costmodel import Probe, can_pay, throughput_batch_size
+from polspec.decoding.draft_head import DraftHead
+from polspec.decoding.draft_vocab import draft_head
 from polspec.decoding.metrics import DecodeMetrics
 from polspec.decoding.params import DecodingParams
 from polspec.decoding.policy import DraftLength
@@ -71,6 +73,7 @@ class _Sequence:
     policy: DraftLength | None  # None: target-only
     draft_text: DraftText | None
     draft_prompt: list[int] | None
+    head: DraftHead | None = None  # the draft's output layer for this row (its draft_vocab)
     sample: Callable[[mx.array], mx.array] | None = None
     eos: set[int] = field(default_factory=set)
     committed: list[int] = field(default_factory=list)
@@ -121,6 +124,9 @@ class BatchDecoder:
         sequence = _Sequence(key, params, target_ids, metrics, policy,
                              DraftText(draft_ids, self.tables and self.tables[0]) if policy else None,
                              draft_ids if policy else None)
+        if policy is not None:
+            sequence.head = draft_head(self.draft, params.draft_vocab)
+            metrics.draft_vocab = sequence.head.size
         sequence.sample = token_sampler(params)
         sequence.eos = set(self.target.tokenizer.eos_token_ids)
         self.waiting.append(sequence)
@@ -240,8 +246,8 @@ class BatchDecoder:
         feeds = [s.draft_text.sequence[s.draft_text.fed:] if s.draft_text else [0] for s in self.rows]
         width = max(map(len, feeds))
         inputs = mx.array([feed + [0] * (width - len(feed)) for feed in feeds])
-        logits = self.draft.model(inputs, cache=self.draft_cache)
-        logits = logits[mx.arange(len(feeds)), mx.array([len(feed) - 1 for feed in feeds])]
+        heads = self._heads()
+        features = next(iter(heads)).features(inputs, self.draft_cache, mx.array([len(feed) - 1 for feed in feeds]))
         batch_kv.trim_each(self.draft_cache, [width - len(feed) for feed in feeds])
         steps = max(ks)
         # Fixed and heuristic rows need their k steps; beyond those, the confidence rows decide,
@@ -251,16 +257,16 @@ class BatchDecoder:
         thresholds = mx.array([self.rows[row].policy.threshold for row in confident])
         tokens, confidences = [], []
         for step in range(steps):
-            token = mx.argmax(logits, axis=-1)
+            token, confidence = _greedy(heads, features, len(self.rows), bool(confident))
             tokens.append(token)
-            confidences.append(mx.take_along_axis(mx.softmax(logits, axis=-1), token[:, None], axis=-1)[:, 0])
+            confidences.append(confidence)
             if step + 1 == steps:
                 break
             if step + 1 >= fixed and confident:
                 unsure = mx.stack(confidences, axis=1)[mx.array(confident)] < thresholds[:, None]
                 if mx.all(mx.any(unsure, axis=1)).item():
                     break
-            logits = self.draft.model(token[:, None], cache=self.draft_cache)[:, -1]
+            features = next(iter(heads)).features(token[:, None], self.draft_cache)
         steps = len(tokens)
         mx.eval(tokens, confidences)
         drafted = mx.stack(tokens, axis=1).tolist()
@@ -278,6 +284,18 @@ class BatchDecoder:
             sequence.draft_cached += len(feeds[row]) + steps - 1
             proposals.append(proposal)
         return proposals
+
+    def _heads(self) -> dict[DraftHead, list[int]]:
+        """The rows of each draft head in the batch (a target-only row rides with the first)."""
+        heads: dict[DraftHead, list[int]] = {}
+        for row, sequence in enumerate(self.rows):
+            if sequence.head is not None:
+                heads.setdefault(sequence.head, []).append(row)
+        if not heads:
+            return {draft_head(self.draft, "auto"): list(range(len(self.rows)))}
+        first = next(iter(heads))
+        heads[first] += [row for row, sequence in enumerate(self.rows) if sequence.head is None]
+        return heads
 
     def _verify(self, candidates: list[list[int]]) -> list[list[int]]:
         """The target's own token at every position of every row, from one batched forward."""
@@ -325,6 +343,24 @@ class BatchDecoder:
         """(target, draft) cache entries per row, for checks."""
         return (batch_kv.row_lengths(self.target_cache) if self.target_cache else [],
                 batch_kv.row_lengths(self.draft_cache) if self.draft_cache else [])
+
+
+def _greedy(heads: dict[DraftHead, list[int]], features: mx.array, size: int,
+            confidence_needed: bool) -> tuple[mx.array, mx.array]:
+    """Each row's greedy draft token through the row's own head, and its draft probability
+    (zeros unless ``confidence_needed``)."""
+    token, confidence = mx.zeros(size, mx.int32), mx.zeros(size)
+    for head, rows in heads.items():
+        logits = head.logits(features if len(rows) == size else features[mx.array(rows)])
+        index = mx.argmax(logits, axis=-1)
+        chosen = head.vocabulary_ids(index).astype(mx.int32)
+        sure = (mx.take_along_axis(mx.softmax(logits, axis=-1), index[:, None], axis=-1)[:, 0] if confidence_needed
+                else mx.zeros(len(rows)))
+        if len(rows) == size:
+            return chosen, sure
+        token[mx.array(rows)] = chosen
+        confidence[mx.array(rows)] = sure
+    return token, confidence
 
 
 def _confident(sequence: _Sequence) -> bool:

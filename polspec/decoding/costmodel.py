@@ -29,7 +29,8 @@ import math
 from dataclasses import asdict, dataclass, field
 
 RHO_SIZES = 9  # rho(m) is measured for m = 1..9 and extrapolated linearly beyond
-PROBE_FORMAT = 1
+# 2: the draft step measured as it decodes (last-position logits, its default draft vocabulary)
+PROBE_FORMAT = 2
 BATCH_SIZES = (1, 2, 4, 8, 16)  # sequences per forward in the probe's batch table
 BATCH_POSITIONS = (1, 2, 3, 5, 9)  # positions per sequence measured at each batch size
 
@@ -60,6 +61,7 @@ class Probe:
     draft_step_s: float = 0.0
     machine: dict[str, str] = field(default_factory=dict)
     batch: tuple[BatchCost, ...] = ()  # the batch table; empty in probes measured before it existed
+    draft_vocab: int | None = None  # the draft's pruned vocabulary when measured; None: its full one
 
     def at_batch(self, size: int) -> Probe:
         """The costs of a round over ``size`` sequences, in steps of a plain batched step of that size.
@@ -80,7 +82,7 @@ class Probe:
         seconds = self.target_step_s
         return Probe(self.target, self.draft, c=draft / step, rho=rho, tau=self.tau * seconds * size / step,
                      draft_overhead=self.draft_overhead * seconds / step, target_step_s=step, draft_step_s=draft,
-                     machine=self.machine)
+                     machine=self.machine, draft_vocab=self.draft_vocab)
 
     def rho_at(self, m: int) -> float:
         """rho(m), extrapolated linearly from the last two measured sizes beyond them."""

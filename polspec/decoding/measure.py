@@ -12,6 +12,8 @@ import mlx.core as mx
 
 from polspec.decoding import batch_kv
 from polspec.decoding.costmodel import BATCH_POSITIONS, BATCH_SIZES, RHO_SIZES, BatchCost, Probe
+from polspec.decoding.draft_head import DraftHead
+from polspec.decoding.draft_vocab import draft_head
 from polspec.decoding.kv import new_cache, prefill, trim
 from polspec.decoding.params import DecodingParams
 from polspec.decoding.policy import DraftLength
@@ -27,8 +29,11 @@ _TEXT = ("Kraków jest jednym z najstarszych miast w Polsce. Przez wieki był st
 
 
 def measure_probe(target: LoadedModel, draft: LoadedModel, repeats: int = 9, context: int = 64,
-                  batch_sizes: tuple[int, ...] = BATCH_SIZES) -> Probe:
+                  batch_sizes: tuple[int, ...] = BATCH_SIZES, draft_vocab: int | str = "auto") -> Probe:
     """Measure c, d, rho(1..9), tau and the batch table for two loaded models on this machine.
+
+    The draft runs the way it decodes: logits at the last position only, over the vocabulary
+    ``draft_vocab`` gives it (see :mod:`polspec.decoding.draft_vocab`).
 
     Forward times are medians over ``repeats`` with ``context`` tokens already cached, the
     way decoding runs, every size timed in turn within a repeat; tau is the median time of an
@@ -40,9 +45,10 @@ def measure_probe(target: LoadedModel, draft: LoadedModel, repeats: int = 9, con
     """
     if repeats < 1:
         raise PolspecError(f"repeats must be at least 1, got {repeats}")
-    target_times = _forward_times(target, range(1, RHO_SIZES + 1), repeats, context)
+    head = draft_head(draft, draft_vocab)
+    target_times = _forward_times(target, target.model, range(1, RHO_SIZES + 1), repeats, context)
     step = target_times[0]
-    draft_step = _forward_times(draft, [1], repeats, context)[0]
+    draft_step = _forward_times(draft, head, [1], repeats, context)[0]
 
     target_table, draft_table = token_bytes(target.tokenizer._tokenizer), token_bytes(draft.tokenizer._tokenizer)
     target_ids = target.tokenizer.encode(_TEXT)
@@ -54,19 +60,20 @@ def measure_probe(target: LoadedModel, draft: LoadedModel, repeats: int = 9, con
                                   target_ids[: max(1, start)], 5, 10)
         times.append(time.perf_counter() - clock)
     batch_repeats = max(3, repeats // 3)
-    batch = tuple(BatchCost(size, tuple(_batch_forward_times(target, size, BATCH_POSITIONS, batch_repeats, context)),
-                            _batch_forward_times(draft, size, [1], batch_repeats, context)[0])
+    batch = tuple(BatchCost(size, tuple(_batch_forward_times(target, target.model, size, BATCH_POSITIONS,
+                                                             batch_repeats, context)),
+                            _batch_forward_times(draft, head, size, [1], batch_repeats, context)[0])
                   for size in batch_sizes)
     chosen = backend.setup()
     return Probe(target.entry.alias, draft.entry.alias, c=draft_step / step, batch=batch,
                  rho=tuple(t / step for t in target_times), tau=statistics.median(times) / step,
-                 draft_overhead=max(0.0, _draft_round_time(draft, draft_ids, repeats) - draft_step) / step,
-                 target_step_s=step, draft_step_s=draft_step,
+                 draft_overhead=max(0.0, _draft_round_time(draft, head, draft_ids, repeats) - draft_step) / step,
+                 target_step_s=step, draft_step_s=draft_step, draft_vocab=head.size,
                  machine={"key": machine_key(), "platform": chosen.platform, "device": chosen.device,
                           "dtype": chosen.dtype, "mlx": chosen.mlx_version})
 
 
-def _draft_round_time(draft: LoadedModel, text_ids: list[int], repeats: int) -> float:
+def _draft_round_time(draft: LoadedModel, head: DraftHead, text_ids: list[int], repeats: int) -> float:
     """Median time of a real one-token proposal round of the decoder's draft side.
 
     Each round first re-syncs the draft with two more tokens of committed text, as after a
@@ -74,7 +81,7 @@ def _draft_round_time(draft: LoadedModel, text_ids: list[int], repeats: int) -> 
     token; the difference from a bare draft step is the per-round overhead ``d``.
     """
     prompt, rest = text_ids[:8], text_ids[8:]
-    side = DraftSide(draft, prompt, len(text_ids) + 4, None)
+    side = DraftSide(draft, prompt, len(text_ids) + 4, None, head)
     policy = DraftLength(DecodingParams(k=1))
     side.propose(1, policy)  # feeds the prompt: not a round
     times = []
@@ -86,8 +93,9 @@ def _draft_round_time(draft: LoadedModel, text_ids: list[int], repeats: int) -> 
     return statistics.median(times)
 
 
-def _forward_times(loaded: LoadedModel, sizes, repeats: int, context: int) -> list[float]:
-    """Median time of a forward over m tokens for each m in ``sizes``, ``context`` tokens cached.
+def _forward_times(loaded: LoadedModel, forward, sizes, repeats: int, context: int) -> list[float]:
+    """Median time of ``forward`` (the model, or a draft head) over m tokens for each m in ``sizes``,
+    ``context`` tokens cached.
 
     The sizes are timed in turn within each repeat, so that a change in the machine's load
     during the probe shifts every size alike and the ratios rho(m) stay sound.
@@ -99,11 +107,11 @@ def _forward_times(loaded: LoadedModel, sizes, repeats: int, context: int) -> li
         prefill(loaded.model, cache, list(range(1, context + 1)))
         caches.append(cache)
     inputs = [mx.array([list(range(2, m + 2))]) for m in sizes]
-    return _median_times(loaded.model, inputs, caches, [lambda cache, m=m: trim(cache, m) for m in sizes], repeats)
+    return _median_times(forward, inputs, caches, [lambda cache, m=m: trim(cache, m) for m in sizes], repeats)
 
 
-def _batch_forward_times(loaded: LoadedModel, size: int, positions, repeats: int, context: int) -> list[float]:
-    """Median time of a forward over ``size`` sequences x m positions for each m in ``positions``,
+def _batch_forward_times(loaded: LoadedModel, forward, size: int, positions, repeats: int, context: int) -> list[float]:
+    """Median time of ``forward`` over ``size`` sequences x m positions for each m in ``positions``,
     through the batched decoder's ragged cache, ``context`` tokens cached per sequence."""
     layers = batch_kv.check_batchable(loaded.model, loaded.entry.alias)
     positions = list(positions)
@@ -111,17 +119,17 @@ def _batch_forward_times(loaded: LoadedModel, size: int, positions, repeats: int
                                    for _ in range(size)]) for _ in positions]
     inputs = [mx.array([list(range(2, m + 2))] * size) for m in positions]
     undo = [lambda cache, m=m: batch_kv.trim_each(cache, [m] * size) for m in positions]
-    return _median_times(loaded.model, inputs, caches, undo, repeats)
+    return _median_times(forward, inputs, caches, undo, repeats)
 
 
-def _median_times(model, inputs: list, caches: list, undo: list, repeats: int) -> list[float]:
-    """Median time of ``model`` over each input with its cache, all inputs in turn within a repeat;
+def _median_times(forward, inputs: list, caches: list, undo: list, repeats: int) -> list[float]:
+    """Median time of ``forward`` over each input with its cache, all inputs in turn within a repeat;
     ``undo[i](cache)`` takes the forward's entries out of the cache again, untimed."""
     times: list[list[float]] = [[] for _ in inputs]
     for round_ in range(repeats + 1):  # the first round warms each shape up and is not kept
         for index, (tokens, cache) in enumerate(zip(inputs, caches)):
             clock = time.perf_counter()
-            mx.eval(model(tokens, cache=cache))
+            mx.eval(forward(tokens, cache))
             if round_:
                 times[index].append(time.perf_counter() - clock)
             undo[index](cache)

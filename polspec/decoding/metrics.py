@@ -34,6 +34,7 @@ class DecodeMetrics:
     peak_memory_gb: float = 0.0
     batch_size: float = 1.0  # sequences decoded together, averaged over this sequence's rounds
     finish_reason: str = ""
+    draft_vocab: int | None = None  # tokens the draft could propose (a pruned vocabulary); None: all
     k_policy_note: str = ""  # what the auto draft length decided, when it decided for the whole generation
 
     @property

@@ -10,6 +10,8 @@ STRATEGIES = ("aligned", "context", "naive", "none")  # see polspec.decoding.tra
 K_POLICIES = ("heuristic", "confidence", "auto")
 PARTIAL_WORD = ("verify", "hold")  # what aligned does with the tokens of a word a proposal stops inside
 MAX_K = 16
+DRAFT_VOCAB = ("auto", "full")  # or a number of tokens, see polspec.decoding.draft_vocab
+MIN_DRAFT_VOCAB = 1024
 
 
 @dataclass(frozen=True)
@@ -22,8 +24,10 @@ class DecodingParams:
     decoding). ``strategy`` and ``prefix`` choose the translation between tokenizers, and
     ``partial_word`` whether ``aligned`` verifies the tokens of a word the draft stopped
     inside (``verify``: one more position in the same forward) or leaves them for the next
-    round (``hold``: fewer rejected candidates, fewer tokens per round). ``temperature`` 0 is
-    greedy. Target candidates per round are capped at ``2 * k_max + 2``.
+    round (``hold``: fewer rejected candidates, fewer tokens per round). ``draft_vocab`` is how
+    many tokens the draft may propose: its most frequent on Polish text (``auto``: the draft's
+    default, pruned only where its vocabulary is large; ``full``: all of them). ``temperature``
+    0 is greedy. Target candidates per round are capped at ``2 * k_max + 2``.
     """
 
     max_tokens: int = 128
@@ -37,6 +41,7 @@ class DecodingParams:
     seed: int | None = None
     confidence: float = 0.4
     k_max: int = 8
+    draft_vocab: int | str = "auto"
 
     def __post_init__(self) -> None:
         # Values come from JSONL lines and TOML files too: a float k or a text seed is refused
@@ -49,6 +54,12 @@ class DecodingParams:
                 raise PolspecError(f"{name} must be a number, got {getattr(self, name)!r}")
         if not isinstance(self.k, str) and not is_whole_number(self.k):
             raise PolspecError(f"k must be a number from 1 to {MAX_K} or one of {', '.join(K_POLICIES)}, got {self.k!r}")
+        if isinstance(self.draft_vocab, str):
+            if self.draft_vocab not in DRAFT_VOCAB:
+                raise PolspecError(f"draft_vocab must be a number of tokens or one of {', '.join(DRAFT_VOCAB)}, "
+                                   f"got {self.draft_vocab!r}")
+        elif not is_whole_number(self.draft_vocab) or self.draft_vocab < MIN_DRAFT_VOCAB:
+            raise PolspecError(f"draft_vocab must be at least {MIN_DRAFT_VOCAB} tokens, auto or full, got {self.draft_vocab!r}")
         if self.max_tokens < 1:
             raise PolspecError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if isinstance(self.k, str):

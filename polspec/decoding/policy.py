@@ -43,12 +43,10 @@ class DraftLength:
         else:
             self.k = params.k_max if self.mode == "confidence" else params.initial_k
 
-    def stop_after(self, step: int, logits: mx.array, token: mx.array) -> bool:
-        """Whether to stop drafting after this token (only the confidence policy stops early)."""
-        if self.mode != "confidence":
-            return False
-        probability = mx.softmax(logits, axis=-1)[token]
-        return probability.item() < self.threshold
+    def unsure(self, logits: mx.array, index: mx.array) -> mx.array:
+        """Whether the confidence policy stops drafting after the token at ``index`` of ``logits``
+        (its draft probability is below the threshold), lazily: a boolean array."""
+        return mx.softmax(logits, axis=-1)[index] < self.threshold
 
     def observe(self, accepted: int, candidates: int, proposed: int) -> None:
         if self.mode == "heuristic":

@@ -11,6 +11,7 @@ from polspec.decoding.acceptance import acceptance_estimate
 from polspec.decoding.autoregressive import generate_autoregressive
 from polspec.decoding.commit import Commit
 from polspec.decoding.costmodel import BATCH_SIZES, Probe, can_pay
+from polspec.decoding.draft_vocab import draft_vocab_size
 from polspec.decoding.measure import measure_probe
 from polspec.decoding.metrics import DecodeMetrics
 from polspec.decoding.params import DecodingParams
@@ -55,12 +56,15 @@ def stream(
     return generate_speculative(target, draft, target_ids, draft_ids, params, metrics, policy)
 
 
-def stored_probe(target: LoadedModel, draft: LoadedModel, batched: bool = False) -> Probe:
+def stored_probe(target: LoadedModel, draft: LoadedModel, batched: bool = False,
+                 draft_vocab: int | str = "auto") -> Probe:
     """This machine's stored probe for the pair; measured and stored first when there is none,
-    or when ``batched`` needs the batch table and the stored probe has none."""
+    when ``batched`` needs the batch table and the stored probe has none, or when it was
+    measured with another draft vocabulary than ``draft_vocab`` gives."""
     probe = load_probe(target.entry.alias, draft.entry.alias)
-    if probe is None or (batched and not probe.batch):
-        probe = measure_probe(target, draft, batch_sizes=BATCH_SIZES if batched else ())
+    if (probe is None or (batched and not probe.batch)
+            or probe.draft_vocab != draft_vocab_size(draft, draft_vocab)):
+        probe = measure_probe(target, draft, batch_sizes=BATCH_SIZES if batched else (), draft_vocab=draft_vocab)
         save_probe(probe)
     return probe
 
@@ -68,7 +72,7 @@ def stored_probe(target: LoadedModel, draft: LoadedModel, batched: bool = False)
 def auto_draft_length(target: LoadedModel, draft: LoadedModel, params: DecodingParams) -> DraftLength | None:
     """The ``auto`` policy for this pair from its :func:`stored_probe`, or None when the probe
     says no k can beat plain decoding here."""
-    probe = stored_probe(target, draft)
+    probe = stored_probe(target, draft, draft_vocab=params.draft_vocab)
     if not can_pay(probe, params.k_max):
         return None
     return DraftLength(params, probe, acceptance_estimate(target.entry.alias, draft.entry.alias, params))

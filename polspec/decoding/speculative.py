@@ -25,6 +25,8 @@ from polspec import backend  # noqa: F401  (before mlx: the Linux BLAS fix)
 import mlx.core as mx
 
 from polspec.decoding.commit import Commit, RoundState
+from polspec.decoding.draft_head import DraftHead
+from polspec.decoding.draft_vocab import draft_head
 from polspec.decoding.kv import PREFILL_STEP, cached_length, new_cache, prefill, trim
 from polspec.decoding.metrics import DecodeMetrics
 from polspec.decoding.params import DecodingParams
@@ -108,17 +110,24 @@ class DraftText:
 
 
 class DraftSide:
-    """The draft's :class:`DraftText` and its single-sequence cache."""
+    """The draft's :class:`DraftText`, its single-sequence cache and its output layer."""
 
-    def __init__(self, draft: LoadedModel, prompt: list[int], longest: int, table: TokenBytes | None):
+    def __init__(self, draft: LoadedModel, prompt: list[int], longest: int, table: TokenBytes | None,
+                 head: DraftHead):
         self.model = draft.model
+        self.head = head
         self.cache = new_cache(draft.model, draft.entry.alias, longest)
         # The prompt is fed on the first proposal, not here: when the auto draft length starts
         # with plain target steps, a draft that never proposes costs nothing.
         self.text = DraftText(prompt, table)
 
     def propose(self, k: int, policy: DraftLength) -> list[int]:
-        """Up to ``k`` greedy draft tokens; the last one is not fed to the cache."""
+        """Up to ``k`` greedy draft tokens; the last one is not fed to the cache.
+
+        One host sync per round: the tokens stay lazy until the proposal is complete. The
+        confidence policy decides on each token while the next step already runs (one step
+        of lookahead), and takes that step back when it stops.
+        """
         if k == 0:
             return []
         text = self.text
@@ -128,14 +137,19 @@ class DraftSide:
         # The text committed since the last round goes in with the first draft step: one
         # forward and no host sync of its own.
         inputs = mx.array([text.sequence[text.fed:]])
-        proposal = []
-        for step in range(k):
-            logits = self.model(inputs, cache=self.cache)[0, -1]
-            token = mx.argmax(logits)
-            proposal.append(token)
-            if policy.stop_after(step, logits, token):
-                break
+        proposal, unsure = [], None
+        for _ in range(k):
+            logits = self.head(inputs, self.cache)[0]
+            index = mx.argmax(logits)
+            token = self.head.vocabulary_ids(index)
             inputs = token.reshape(1, 1)
+            if policy.mode == "confidence":
+                mx.async_eval(token)
+                if unsure is not None and unsure.item():
+                    trim(self.cache, 1)  # the step that fed the last kept token
+                    break
+                unsure = policy.unsure(logits, index)
+            proposal.append(token)
         mx.eval(proposal)
         ids = [int(t.item()) for t in proposal]
         text.sequence = text.sequence + ids
@@ -172,7 +186,10 @@ def generate_speculative(
     start = time.perf_counter()
     target_cache = new_cache(target.model, target.entry.alias, len(target_prompt) + params.max_tokens + cap + 1)
     prefill(target.model, target_cache, target_prompt[:-1])
-    draft_side = DraftSide(draft, draft_prompt, len(draft_prompt) + 2 * params.max_tokens + cap, tables and tables[0])
+    head = draft_head(draft, params.draft_vocab)
+    metrics.draft_vocab = head.size
+    draft_side = DraftSide(draft, draft_prompt, len(draft_prompt) + 2 * params.max_tokens + cap, tables and tables[0],
+                           head)
     metrics.prefill_s = time.perf_counter() - start
 
     committed: list[int] = []

@@ -12,7 +12,7 @@ import hashlib
 import json
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from polspec import backend
@@ -41,6 +41,8 @@ class LoadedModel:
     tokenizer: TokenizerWrapper
     dtype: str
     load_seconds: float
+    # Its output layer as a draft, per pruned vocabulary size (polspec.decoding.draft_vocab).
+    draft_heads: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def context_length(self) -> int | None:

@@ -16,7 +16,8 @@ from polspec.errors import PolspecError
 from polspec.settings import user_registry_file
 
 TOKENIZER_PREFIX = "tok:"
-MODEL_KEYS = {"source", "sha256", "architecture", "tokenizer_family", "chat_template", "eos_tokens", "description"}
+MODEL_KEYS = {"source", "sha256", "architecture", "tokenizer_family", "chat_template", "eos_tokens", "description",
+              "draft_vocab"}
 TOKENIZER_KEYS = {"source", "sha256", "format", "tokenizer_family", "description"}
 TOKENIZER_FORMATS = ("sentencepiece", "tiktoken-llama3")
 
@@ -27,7 +28,9 @@ class ModelEntry:
 
     ``source`` says where the weights come from (see :mod:`polspec.models.sources`);
     ``sha256`` pins the GGUF bytes for ``wheel:`` and ``gguf:`` sources; ``chat_template``
-    says whether the model has one; ``eos_tokens`` are the token strings that end generation.
+    says whether the model has one; ``eos_tokens`` are the token strings that end generation;
+    ``draft_vocab`` overrides how many tokens the model proposes as a draft by default (a
+    number, or ``"full"``; see :mod:`polspec.decoding.draft_vocab`).
     """
 
     alias: str
@@ -38,6 +41,7 @@ class ModelEntry:
     eos_tokens: tuple[str, ...] = ()
     sha256: str | None = None
     description: str = ""
+    draft_vocab: int | str | None = None
 
 
 @dataclass(frozen=True)
@@ -98,6 +102,9 @@ def parse_registry(text: str, where: str) -> Registry:
         table = dict(table, eos_tokens=tuple(table.get("eos_tokens", ())))
         table.setdefault("architecture", "")
         table.setdefault("tokenizer_family", alias)
+        vocab = table.get("draft_vocab")
+        if vocab is not None and vocab != "full" and not (isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 0):
+            raise PolspecError(f"{where}: [models.{alias}] draft_vocab must be a number of tokens or \"full\", got {vocab!r}")
         registry.models[alias] = ModelEntry(alias=alias, **table)
     for name, table in data.get("tokenizers", {}).items():
         _check_keys(where, f"tokenizers.{name}", table, TOKENIZER_KEYS)

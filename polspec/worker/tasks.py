@@ -98,7 +98,7 @@ def item_probe(target: LoadedModel, draft: LoadedModel | None, params: DecodingP
     if draft is None:
         return None
     if params.k == "auto":
-        return stored_probe(target, draft, batched)
+        return stored_probe(target, draft, batched, params.draft_vocab)
     return load_probe(target.entry.alias, draft.entry.alias)
 
 

@@ -1,0 +1,155 @@
+"""The draft's output layer: last-position logits and a pruned vocabulary, on real models."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from polspec.cli import main
+from polspec.decoding import DecodingParams, generate
+from polspec.decoding.batch import stream_batch
+from polspec.decoding.draft_head import DraftHead
+from polspec.decoding.draft_vocab import _rank, draft_head, draft_vocab_size, pruned_vocabulary, token_ranking
+from polspec.decoding.policy import DraftLength
+from polspec.decoding.speculative import DraftSide
+from polspec.decoding.translate import token_bytes
+from polspec.errors import PolspecError
+
+from decoding_checks import (
+    SAMPLED_PROMPT, assert_same_or_float_tie, chi_square_critical, goodness_of_fit, two_token_bins,
+)
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["Kraków jest", "Stolicą Polski jest Warszawa, która", "Zimą w górach", "Gdańsk słynie z"]
+SMALL = 2048  # small enough that the draft's greedy choice often falls outside it
+
+
+@pytest.mark.parametrize("name", ["gemma3", "smollm2"])
+def test_the_head_gives_the_models_own_last_logits(request, name):
+    loaded = request.getfixturevalue(name)
+    ids = mx.array([loaded.tokenizer.encode("Wisła jest najdłuższą rzeką Polski i płynie przez")])
+    full = loaded.model(ids)[0, -1]
+    assert np.allclose(np.array(draft_head(loaded, "full")(ids, None)[0]), np.array(full), atol=1e-4)
+    pruned = draft_head(loaded, SMALL)
+    assert np.allclose(np.array(pruned(ids, None)[0]), np.array(full[pruned.keep]), atol=1e-4)
+
+
+def test_the_ranking_is_deterministic_and_puts_polish_first(gemma3):
+    tokenizer = gemma3.tokenizer._tokenizer
+    ranking = token_ranking(gemma3)  # computed, or read back from the cache beside the model
+    assert ranking == _rank(tokenizer)
+    assert len(set(ranking)) == len(ranking)
+    top = {tokenizer.convert_ids_to_tokens(token) for token in ranking[:2000]}
+    assert {"▁się", "▁nie", "▁jest"} <= top
+
+
+def test_a_pruned_vocabulary_keeps_every_byte_special_and_end_token(gemma3, smollm2):
+    for loaded in (gemma3, smollm2):
+        keep = pruned_vocabulary(loaded, SMALL)
+        table = token_bytes(loaded.tokenizer._tokenizer)
+        single_bytes = {token for token, raw in enumerate(table.raw) if raw is not None and len(raw) == 1}
+        assert single_bytes | set(loaded.tokenizer.eos_token_ids) <= set(keep)
+        assert set(token_ranking(loaded)[:SMALL]) <= set(keep)
+        assert keep == sorted(set(keep)) and len(keep) < SMALL + len(single_bytes) + 300
+
+
+def test_auto_prunes_only_a_large_vocabulary(gemma3, smollm2):
+    assert draft_vocab_size(gemma3, "auto") == 32768  # 262k tokens
+    assert draft_vocab_size(smollm2, "auto") is None  # 49k: too small a share of its step to cut
+    assert draft_vocab_size(smollm2, "full") is None
+    assert draft_vocab_size(smollm2, 60000) is None  # at or above the vocabulary: all of it
+
+
+def test_a_pruned_draft_never_proposes_a_token_outside_its_vocabulary(gemma3, smollm2):
+    for draft, text in ((gemma3, "Kraków jest jednym z najstarszych miast w Polsce. Przez wieki był"),
+                        (smollm2, "def fibonacci(n):\n    return")):
+        head = draft_head(draft, SMALL)
+        kept = set(np.array(head.keep).tolist())
+        prompt = draft.tokenizer.encode(text)
+        side = DraftSide(draft, prompt, len(prompt) + 64, None, head)
+        proposed = []
+        for _ in range(6):
+            proposal = side.propose(4, DraftLength(DecodingParams(k=4)))
+            proposed += proposal
+            side.resync(side.text.generated + proposal, b"")
+        assert set(proposed) <= kept
+        # the full head does leave the subset somewhere on the same text: the test can fail
+        full = DraftSide(draft, prompt, len(prompt) + 64, None, draft_head(draft, "full"))
+        unpruned = []
+        for _ in range(6):
+            proposal = full.propose(4, DraftLength(DecodingParams(k=4)))
+            unpruned += proposal
+            full.resync(full.text.generated + proposal, b"")
+        assert not set(unpruned) <= kept or proposed != unpruned
+
+
+@pytest.mark.parametrize("pair", ["gemma3>smollm2", "smollm2>gemma3"])
+def test_greedy_with_a_pruned_draft_equals_the_target_alone(request, pair):
+    target_name, draft_name = pair.split(">")
+    target, draft = request.getfixturevalue(target_name), request.getfixturevalue(draft_name)
+    for prompt in PROMPTS:
+        expected = generate(target, None, prompt, DecodingParams(max_tokens=12), chat=False).token_ids
+        for policy in (2, "confidence"):
+            result = generate(target, draft, prompt, DecodingParams(max_tokens=12, k=policy, draft_vocab=SMALL),
+                              chat=False)
+            assert result.metrics.draft_vocab is not None and result.metrics.draft_vocab >= SMALL
+            assert_same_or_float_tie(target, prompt, expected, result.token_ids)
+
+
+def test_sampling_with_a_pruned_draft_keeps_the_target_distribution(gemma3):
+    """A same-family pair (gemma3 drafting for itself) accepts most candidates, so the pruned
+    draft's proposals decide many committed tokens: their distribution must still be the target's."""
+    samples = 80
+    bins = two_token_bins(gemma3, SAMPLED_PROMPT, 1.0, samples)
+    runs = [generate(gemma3, gemma3, SAMPLED_PROMPT,
+                     DecodingParams(seed=s, max_tokens=2, temperature=1.0, k=2, draft_vocab=SMALL), chat=False)
+            for s in range(samples)]
+    assert sum(run.metrics.candidates_accepted for run in runs) > 0
+    statistic, df = goodness_of_fit([run.token_ids for run in runs], bins)
+    assert df >= 3, f"too few likely sequences to test the distribution: {bins}"
+    assert statistic < chi_square_critical(df), (statistic, df, Counter(tuple(r.token_ids) for r in runs).most_common(5))
+
+
+def test_rows_of_one_batch_may_prune_differently(gemma3, smollm2):
+    """Rows share the draft's body forward and apply their own output layers."""
+    requests = [(prompt, DecodingParams(max_tokens=10, k=2, draft_vocab=vocab))
+                for prompt, vocab in zip(PROMPTS, ["full", SMALL, "auto", 4096])]
+    tokens: dict[int, list[int]] = {index: [] for index in range(len(requests))}
+    sizes = {}
+    for event in stream_batch(smollm2, gemma3, requests, max_batch=4, chat=False):
+        tokens[event.key] += event.commit.tokens if event.commit else []
+        sizes[event.key] = event.metrics.draft_vocab
+    for index, (prompt, _) in enumerate(requests):
+        expected = generate(smollm2, None, prompt, DecodingParams(max_tokens=10), chat=False).token_ids
+        assert_same_or_float_tie(smollm2, prompt, expected, tokens[index])
+    assert sizes[0] is None and SMALL <= sizes[1] < sizes[3] < 32768 <= sizes[2]
+
+
+@pytest.mark.parametrize("value, message", [
+    ("some", "draft_vocab must be a number of tokens or one of auto, full, got 'some'"),
+    (100, "draft_vocab must be at least 1024 tokens, auto or full, got 100"),
+    (True, "draft_vocab must be at least 1024 tokens, auto or full, got True"),
+])
+def test_invalid_draft_vocabularies(value, message):
+    with pytest.raises(PolspecError, match=message):
+        DecodingParams(draft_vocab=value)
+
+
+def test_the_cli_refuses_a_tiny_draft_vocabulary_in_one_line():
+    result = CliRunner().invoke(main, ["generate", "Kraków jest", "--draft", "smollm2-135m", "--draft-vocab", "10"])
+    assert result.exit_code == 1
+    assert result.output == "polspec: error: draft_vocab must be at least 1024 tokens, auto or full, got 10\n"
+
+
+def test_an_architecture_that_cannot_split_refuses_pruning():
+    from mlx_lm.models import mamba
+
+    args = mamba.ModelArgs(model_type="mamba", vocab_size=32, hidden_size=16, intermediate_size=32, state_size=4,
+                           num_hidden_layers=2, conv_kernel=4, use_bias=False, use_conv_bias=True, time_step_rank=2)
+    with pytest.raises(PolspecError, match="tiny-mamba \\(mamba\\) cannot run with a pruned draft vocabulary"):
+        DraftHead(mamba.Model(args), [1, 2, 3], "tiny-mamba")
