@@ -95,13 +95,28 @@ def test_throughput_batch_size_stops_where_a_larger_batch_gains_under_ten_percen
     assert throughput_batch_size(None) == throughput_batch_size(table()) == BATCH_SIZES[-1]
 
 
-def test_auto_policy_explores_while_plain_decoding_pays_best():
-    policy = DraftLength(DecodingParams(k="auto"), flat(0.9, rho=(1.0, 1.5) + (2.0,) * 7), AcceptanceEstimate(1, 9))
+def test_auto_explores_only_while_an_optimistic_acceptance_could_pay():
+    cheap = flat(0.1, rho=(1.0, 1.1) + (1.2,) * 7)  # k = 1 pays from a = 0.2 on
+    estimate = AcceptanceEstimate(1, 9)  # a = 0.1: plain decoding, but 0.2 is still plausible
+    policy = DraftLength(DecodingParams(k="auto"), cheap, estimate)
     ks = []
-    for _ in range(EXPLORE_EVERY * 2):
+    for _ in range(EXPLORE_EVERY * 6):
         ks.append(policy.k)
-        policy.observe(0, 0, 0) if policy.k == 0 else policy.observe(0, 1, 1)
-    assert ks.count(1) == 2 and set(ks) == {0, 1}
+        policy.observe(0, 0, 0) if policy.k == 0 else policy.observe(0, 2, 1)  # every exploration fails
+    explored = [round_ for round_, k in enumerate(ks) if k > 0]
+    assert explored and explored[0] == EXPLORE_EVERY - 1  # the first exploration comes on time
+    assert explored[-1] < EXPLORE_EVERY * 5  # then the failures make even the optimistic acceptance too low
+    assert estimate.upper_bound() < 0.2
+
+
+def test_auto_never_explores_where_no_plausible_acceptance_pays():
+    costly = flat(0.8, rho=(1.0, 1.25) + (1.3,) * 7)  # the demo pair on a CPU: even k = 8 needs a > 0.9
+    policy = DraftLength(DecodingParams(k="auto"), costly, AcceptanceEstimate())
+    ks = []
+    for _ in range(EXPLORE_EVERY * 3):
+        ks.append(policy.k)
+        policy.observe(0, 0, 0)
+    assert set(ks) == {0}
 
 
 @pytest.mark.parametrize("stored", [

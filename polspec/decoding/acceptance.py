@@ -3,6 +3,7 @@ translation for the life of the process."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from polspec.decoding.params import DecodingParams
@@ -15,6 +16,7 @@ class AcceptanceEstimate:
     Each round adds its accepted candidates as successes and, if it stopped at a rejection,
     one failure: the maximum-likelihood estimate of a geometric acceptance process, which a
     plain accepted/proposed ratio underestimates. Starts from a weak prior of ``a = 0.5``.
+    :meth:`upper_bound` is how high ``a`` may plausibly be given the evidence so far.
     """
 
     successes: float = 1.0
@@ -23,6 +25,13 @@ class AcceptanceEstimate:
     @property
     def a(self) -> float:
         return self.successes / (self.successes + self.failures)
+
+    def upper_bound(self, z: float = 1.2816) -> float:
+        """An optimistic acceptance: the Beta(successes, failures) posterior's mean plus ``z``
+        standard deviations (about its 90% quantile), at most 1. It falls as evidence grows."""
+        total = self.successes + self.failures
+        spread = math.sqrt(self.successes * self.failures / (total * total * (total + 1)))
+        return min(1.0, self.a + z * spread)
 
     def observe(self, accepted: int, candidates: int) -> None:
         self.successes += accepted

@@ -107,7 +107,8 @@ def _forward_times(loaded: LoadedModel, forward, sizes, repeats: int, context: i
         prefill(loaded.model, cache, list(range(1, context + 1)))
         caches.append(cache)
     inputs = [mx.array([list(range(2, m + 2))]) for m in sizes]
-    return _median_times(forward, inputs, caches, [lambda cache, m=m: trim(cache, m) for m in sizes], repeats)
+    return median_times([forward] * len(sizes), inputs, caches, [lambda cache, m=m: trim(cache, m) for m in sizes],
+                        repeats)
 
 
 def _batch_forward_times(loaded: LoadedModel, forward, size: int, positions, repeats: int, context: int) -> list[float]:
@@ -119,15 +120,15 @@ def _batch_forward_times(loaded: LoadedModel, forward, size: int, positions, rep
                                    for _ in range(size)]) for _ in positions]
     inputs = [mx.array([list(range(2, m + 2))] * size) for m in positions]
     undo = [lambda cache, m=m: batch_kv.trim_each(cache, [m] * size) for m in positions]
-    return _median_times(forward, inputs, caches, undo, repeats)
+    return median_times([forward] * len(positions), inputs, caches, undo, repeats)
 
 
-def _median_times(forward, inputs: list, caches: list, undo: list, repeats: int) -> list[float]:
-    """Median time of ``forward`` over each input with its cache, all inputs in turn within a repeat;
+def median_times(forwards: list, inputs: list, caches: list, undo: list, repeats: int) -> list[float]:
+    """Median time of each forward over its input with its cache, all in turn within a repeat;
     ``undo[i](cache)`` takes the forward's entries out of the cache again, untimed."""
     times: list[list[float]] = [[] for _ in inputs]
     for round_ in range(repeats + 1):  # the first round warms each shape up and is not kept
-        for index, (tokens, cache) in enumerate(zip(inputs, caches)):
+        for index, (forward, tokens, cache) in enumerate(zip(forwards, inputs, caches)):
             clock = time.perf_counter()
             mx.eval(forward(tokens, cache))
             if round_:

@@ -10,8 +10,8 @@ from polspec.decoding.acceptance import AcceptanceEstimate
 from polspec.decoding.costmodel import Probe, best_k
 from polspec.decoding.params import DecodingParams
 
-# With auto at k = 0, one round in this many drafts a single token anyway, so that the
-# acceptance estimate can recover when the text gets easier.
+# With auto at k = 0, one round in this many drafts anyway, so that the acceptance estimate
+# can recover when the text gets easier; only while an optimistic acceptance could still pay.
 EXPLORE_EVERY = 32
 
 
@@ -60,9 +60,15 @@ class DraftLength:
             self.k = self._choose()
 
     def _choose(self) -> int:
-        k = best_k(self.probe, self.estimate.a, self.k_max, self.candidates / self.proposed)
+        """The best k at the estimated acceptance. At k = 0, every ``EXPLORE_EVERY``-th round
+        tries the best k at the estimate's upper bound instead: exploring costs a round and the
+        draft's catch-up on the text it skipped, so it stops once the evidence says that even
+        an optimistic acceptance cannot pay (the demo pair on a CPU, where the draft step is
+        most of a target step, never explores)."""
+        ratio = self.candidates / self.proposed
+        k = best_k(self.probe, self.estimate.a, self.k_max, ratio)
         if k == 0:
             self.plain_rounds += 1
             if self.plain_rounds % EXPLORE_EVERY == 0:
-                return 1
+                return best_k(self.probe, self.estimate.upper_bound(), self.k_max, ratio)
         return k
