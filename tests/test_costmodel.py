@@ -13,6 +13,7 @@ from polspec.decoding.costmodel import (
     BATCH_POSITIONS, BATCH_SIZES, PROBE_FORMAT, BatchCost, Probe, best_k, break_even_acceptance, can_pay, expected_tokens,
     predicted_speedup, predicted_speedup_of_rounds, round_cost, throughput_batch_size,
 )
+from polspec.decoding.draft_vocab import DEFAULT_SIZE
 from polspec.decoding.measure import measure_probe
 from polspec.decoding.policy import EXPLORE_EVERY, DraftLength
 from polspec.decoding.probe_files import load_probe, probe_path, save_probe
@@ -164,7 +165,7 @@ def test_stored_probe_is_measured_on_first_use_then_read_back(gemma3, smollm2, h
 
 @pytest.mark.slow
 def test_auto_falls_back_to_plain_decoding_when_no_k_can_pay(gemma3, smollm2, home_with_models):
-    save_probe(Probe("gemma3-270m", "smollm2-135m", c=2.0, rho=(1.0,) * 9, tau=0.0))
+    save_probe(Probe("gemma3-270m", "smollm2-135m", c=2.0, rho=(1.0,) * 9, tau=0.0, draft_vocab=DEFAULT_SIZE))
     params = DecodingParams(max_tokens=12, k="auto")
     result = generate(gemma3, smollm2, "Kraków jest", params)
     baseline = generate(gemma3, None, "Kraków jest", DecodingParams(max_tokens=12))
@@ -174,7 +175,7 @@ def test_auto_falls_back_to_plain_decoding_when_no_k_can_pay(gemma3, smollm2, ho
 
 @pytest.mark.slow
 def test_auto_speculates_losslessly_when_the_probe_says_it_pays(gemma3, smollm2, home_with_models):
-    save_probe(Probe("gemma3-270m", "smollm2-135m", c=0.01, rho=(1.0,) * 9, tau=0.0))
+    save_probe(Probe("gemma3-270m", "smollm2-135m", c=0.01, rho=(1.0,) * 9, tau=0.0, draft_vocab=DEFAULT_SIZE))
     result = generate(gemma3, smollm2, "Warszawa leży nad", DecodingParams(max_tokens=16, k="auto"))
     baseline = generate(gemma3, None, "Warszawa leży nad", DecodingParams(max_tokens=16))
     assert result.token_ids == baseline.token_ids

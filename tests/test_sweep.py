@@ -15,6 +15,7 @@ from sqlalchemy import select, update
 
 from polspec.cli import main
 from polspec.decoding.costmodel import Probe, break_even_acceptance, predicted_speedup, predicted_speedup_of_rounds
+from polspec.decoding.draft_vocab import DEFAULT_SIZE
 from polspec.decoding.params import DecodingParams
 from polspec.decoding.probe_files import save_probe
 from polspec.errors import PolspecError
@@ -164,7 +165,8 @@ def stored(env) -> dict[str, tuple[Cell, Item, Result | None]]:
 def test_small_sweep_runs_resumes_and_reports_numbers_recomputable_by_hand(env, tmp_path):
     sweep_file = tmp_path / "small.toml"
     sweep_file.write_text(SMALL)
-    probe = Probe("gemma3-270m", "smollm2-135m", c=0.5, rho=(1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7, 1.8), tau=0.05)
+    probe = Probe("gemma3-270m", "smollm2-135m", c=0.5, rho=(1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7, 1.8), tau=0.05,
+                  draft_vocab=DEFAULT_SIZE)  # smollm2 runs pruned by default
     save_probe(probe)
     code, output = cli(env, "enqueue", "sweep", "--config", str(sweep_file), "--json")
     assert code == 0, output

@@ -54,7 +54,7 @@ _OPTIONS = [
                       "the same forward), or hold them for the next round (fewer rejected candidates)."),
     click.option("--draft-vocab", default="auto", show_default=True, type=DraftVocabType(),
                  help="Tokens the draft may propose: its N most frequent on Polish text (a cheaper draft step, "
-                      "still lossless), full, or auto (pruned to 32768 where the draft's vocabulary is large)."),
+                      "still lossless), full, or auto (16384 where the draft has 32768 or more)."),
     click.option("--max-tokens", default=128, show_default=True, type=int, help="Tokens to generate at most."),
     click.option("--temperature", default=0.0, show_default=True, type=float, help="0 is greedy decoding."),
     click.option("--top-p", default=1.0, show_default=True, type=float, help="Nucleus sampling mass, in (0, 1]."),
