@@ -28,7 +28,7 @@ CONTEXT = 64
 
 
 def cached(loaded, positions: int) -> list:
-    cache = new_cache(loaded.model, loaded.entry.alias, CONTEXT + positions + 1)
+    cache = new_cache(loaded.model, loaded.entry.alias)
     prefill(loaded.model, cache, list(range(1, CONTEXT + 1)))
     return cache
 

@@ -32,14 +32,16 @@ PROMPTS = [
 MAX_TOKENS = 8
 # POLSPEC_TEST_FULL_GRID=1 runs all 20 prompts for every pair, strategy and k (about 30
 # minutes here). By default the default configuration (gemma3 target, smollm2 draft, aligned,
-# k=2) gets all 20 prompts and the rest of the grid a sample, to keep the suite within
-# minutes on a 2-core CPU.
+# k=2) gets 10 prompts and the rest of the grid a sample, to keep the suite within minutes on
+# a 2-core CPU.
 FULL_GRID = os.environ.get("POLSPEC_TEST_FULL_GRID") == "1"
 
 
 def prompts_for(pair: str, k: int, strategy: str) -> list[str]:
-    if FULL_GRID or (pair == "gemma3>smollm2" and k == 2 and strategy == "aligned"):
+    if FULL_GRID:
         return PROMPTS
+    if pair == "gemma3>smollm2" and k == 2 and strategy == "aligned":
+        return PROMPTS[::2]
     if pair == "gemma3>smollm2":
         return PROMPTS[::4] if k == 2 else PROMPTS[::10]
     return PROMPTS[::5] if k == 2 else PROMPTS[7:8]
@@ -195,9 +197,18 @@ def test_prompt_longer_than_the_context_gives_both_lengths(smollm2):
 
 
 @pytest.mark.slow
-def test_sliding_window_target_is_refused_past_its_window(gemma3, smollm2):
-    with pytest.raises(PolspecError, match="gemma3-270m uses a sliding-window cache of 512 tokens"):
-        generate(gemma3, smollm2, "Kraków jest", DecodingParams(max_tokens=600), chat=False)
+@pytest.mark.parametrize("pair", ["gemma3>smollm2", "smollm2>gemma3"])
+def test_a_sliding_window_model_serves_past_its_window(request, pair):
+    """Gemma-3's sliding layers see 512 tokens: a longer prompt used to be refused for it as a
+    target and as a draft. Its window now comes from the attention mask over a plain cache, so
+    its output must equal its own target-only output (rotating cache) past the window."""
+    target_name, draft_name = pair.split(">")
+    target, draft = request.getfixturevalue(target_name), request.getfixturevalue(draft_name)
+    prompt = " ".join(PROMPTS * 6) + " Podsumowując, Kraków jest"
+    assert len(encode_prompt(target, prompt, chat=False)) > 512 and len(encode_prompt(draft, prompt, chat=False)) > 512
+    expected = generate(target, None, prompt, DecodingParams(max_tokens=MAX_TOKENS), chat=False).token_ids
+    result = generate(target, draft, prompt, DecodingParams(max_tokens=MAX_TOKENS, k=3), chat=False)
+    assert_same_or_float_tie(target, prompt, expected, result.token_ids)
 
 
 def test_state_space_models_are_refused():
@@ -206,7 +217,7 @@ def test_state_space_models_are_refused():
     args = mamba.ModelArgs(model_type="mamba", vocab_size=32, hidden_size=16, intermediate_size=32, state_size=4,
                            num_hidden_layers=2, conv_kernel=4, use_bias=False, use_conv_bias=True, time_step_rank=2)
     with pytest.raises(PolspecError, match="tiny-mamba has ArraysCache layers .* cannot be trimmed"):
-        new_cache(mamba.Model(args), "tiny-mamba", 16)
+        new_cache(mamba.Model(args), "tiny-mamba")
 
 
 @pytest.mark.slow
@@ -229,3 +240,19 @@ def test_cli_streams_and_marks_accepted_text(gemma3, smollm2):
     assert marked.output.replace("[", "").replace("]", "") == plain.output
     assert ("[" in marked.output) == bool(accepted)
     assert result["metrics"]["generated_tokens"] == len(result["token_ids"]) == 8
+
+
+@pytest.mark.slow
+def test_spans_join_to_the_text_when_a_letter_is_split_between_runs(smollm2):
+    """SmolLM2's byte-level tokens split Polish letters; a draft run that ends inside one must not
+    leave half a letter on each side."""
+    from polspec.decoding.run import _spans
+
+    tokens = smollm2.tokenizer.encode("Zażółć gęślą jaźń, źdźbło", add_special_tokens=False)
+    text = smollm2.tokenizer.decode(tokens)
+    assert any("\ufffd" in smollm2.tokenizer.decode(tokens[:end]) for end in range(1, len(tokens)))  # splits exist
+    for phase in (0, 1):
+        spans = _spans(smollm2, tokens, [(index + phase) % 2 == 0 for index in range(len(tokens))])
+        assert "".join(span for span, _ in spans) == text
+        assert not any("\ufffd" in span for span, _ in spans)
+        assert len(spans) > 1

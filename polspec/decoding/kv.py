@@ -13,27 +13,24 @@ from polspec.errors import PolspecError
 PREFILL_STEP = 512
 
 
-def new_cache(model: nn.Module, alias: str, longest: int) -> list:
-    """A fresh cache for ``model`` that can be trimmed while it holds up to ``longest`` tokens.
+def new_cache(model: nn.Module, alias: str) -> list:
+    """A fresh cache for ``model`` that can be trimmed at any length.
 
-    Speculative decoding trims rejected candidates every round: caches of state-space
-    layers cannot be trimmed at all, and a rotating (sliding-window) cache only until it
-    wraps, so such models are refused with the reason.
+    Speculative decoding trims rejected candidates every round. A rotating (sliding-window)
+    cache can be trimmed only until it wraps, so every layer gets a plain cache instead, and
+    mlx-lm's models apply the window through the attention mask (``window_size``), which
+    attends to exactly the keys a rotating cache would hold: a sliding-window model serves any
+    length its context allows, at the memory of a full cache. The caches of state-space layers
+    cannot be trimmed at all, so such models are refused with the reason.
     """
     cache = make_prompt_cache(model)
     for layer in cache:
-        if isinstance(layer, RotatingKVCache):
-            if longest >= layer.max_size:
-                raise PolspecError(
-                    f"{alias} uses a sliding-window cache of {layer.max_size} tokens that cannot be trimmed once "
-                    f"full; prompt plus generation needs {longest}: shorten the prompt or --max-tokens"
-                )
-        elif not isinstance(layer, KVCache):
+        if not isinstance(layer, (KVCache, RotatingKVCache)):
             raise PolspecError(
                 f"{alias} has {type(layer).__name__} layers (state-space or similar) whose cache cannot be trimmed; "
                 "speculative decoding needs a trimmable cache"
             )
-    return cache
+    return [KVCache() for _ in cache]
 
 
 def prefill(model: nn.Module, cache: list, ids: list[int]) -> None:
@@ -53,7 +50,4 @@ def trim(cache: list, tokens: int) -> None:
         return
     trimmed = trim_prompt_cache(cache, tokens)
     if trimmed != tokens:
-        raise PolspecError(
-            f"the KV cache could trim only {trimmed} of {tokens} tokens (a sliding window is full); "
-            "shorten the prompt or --max-tokens"
-        )
+        raise PolspecError(f"the KV cache could trim only {trimmed} of {tokens} tokens")

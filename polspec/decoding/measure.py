@@ -81,7 +81,7 @@ def _draft_round_time(draft: LoadedModel, head: DraftHead, text_ids: list[int], 
     token; the difference from a bare draft step is the per-round overhead ``d``.
     """
     prompt, rest = text_ids[:8], text_ids[8:]
-    side = DraftSide(draft, prompt, len(text_ids) + 4, None, head)
+    side = DraftSide(draft, prompt, None, head)
     policy = DraftLength(DecodingParams(k=1))
     side.propose(1, policy)  # feeds the prompt: not a round
     times = []
@@ -103,7 +103,7 @@ def _forward_times(loaded: LoadedModel, forward, sizes, repeats: int, context: i
     sizes = list(sizes)
     caches = []
     for m in sizes:
-        cache = new_cache(loaded.model, loaded.entry.alias, context + m + 1)
+        cache = new_cache(loaded.model, loaded.entry.alias)
         prefill(loaded.model, cache, list(range(1, context + 1)))
         caches.append(cache)
     inputs = [mx.array([list(range(2, m + 2))]) for m in sizes]

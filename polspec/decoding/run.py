@@ -118,12 +118,27 @@ class Transcript:
 
 
 def _spans(target: LoadedModel, tokens: list[int], marks: list[bool]) -> list[tuple[str, bool]]:
-    """Group committed tokens into runs that did or did not come from the draft."""
+    """Group committed tokens into runs that did or did not come from the draft.
+
+    The spans join to exactly the text: a run ends only where the text decoded so far is a
+    prefix of the whole text. Where a character's bytes are split across two runs (a Polish
+    letter in two byte tokens), the cut moves past the character and the earlier run takes it,
+    instead of leaving half a character (U+FFFD) on each side.
+    """
+    text = target.tokenizer.decode(tokens)
     spans: list[tuple[str, bool]] = []
-    start = 0
+    start, done = 0, 0  # the run's first token, and the characters of text already in spans
     for end in range(1, len(tokens) + 1):
-        if end == len(tokens) or marks[end] != marks[start]:
-            before = target.tokenizer.decode(tokens[:start])
-            spans.append((target.tokenizer.decode(tokens[:end])[len(before):], marks[start]))
-            start = end
+        if end < len(tokens):
+            if marks[end] == marks[start]:
+                continue
+            prefix = target.tokenizer.decode(tokens[:end])
+            if not text.startswith(prefix):
+                continue
+            cut = len(prefix)
+        else:
+            cut = len(text)
+        if cut > done:
+            spans.append((text[done:cut], marks[start]))
+        start, done = end, max(done, cut)
     return spans

@@ -112,11 +112,10 @@ class DraftText:
 class DraftSide:
     """The draft's :class:`DraftText`, its single-sequence cache and its output layer."""
 
-    def __init__(self, draft: LoadedModel, prompt: list[int], longest: int, table: TokenBytes | None,
-                 head: DraftHead):
+    def __init__(self, draft: LoadedModel, prompt: list[int], table: TokenBytes | None, head: DraftHead):
         self.model = draft.model
         self.head = head
-        self.cache = new_cache(draft.model, draft.entry.alias, longest)
+        self.cache = new_cache(draft.model, draft.entry.alias)
         # The prompt is fed on the first proposal, not here: when the auto draft length starts
         # with plain target steps, a draft that never proposes costs nothing.
         self.text = DraftText(prompt, table)
@@ -180,16 +179,14 @@ def generate_speculative(
     tables = translation_tables(target, draft)
     target_table = tables[1] if tables else None
     policy = policy or DraftLength(params)
-    cap = params.candidate_cap
     metrics.prompt_tokens = len(target_prompt)
 
     start = time.perf_counter()
-    target_cache = new_cache(target.model, target.entry.alias, len(target_prompt) + params.max_tokens + cap + 1)
+    target_cache = new_cache(target.model, target.entry.alias)
     prefill(target.model, target_cache, target_prompt[:-1])
     head = draft_head(draft, params.draft_vocab)
     metrics.draft_vocab = head.size
-    draft_side = DraftSide(draft, draft_prompt, len(draft_prompt) + 2 * params.max_tokens + cap, tables and tables[0],
-                           head)
+    draft_side = DraftSide(draft, draft_prompt, tables and tables[0], head)
     metrics.prefill_s = time.perf_counter() - start
 
     committed: list[int] = []
