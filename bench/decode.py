@@ -26,6 +26,7 @@ from polspec.decoding.translate import STRATEGIES
 from polspec.jobs.datasets import load_dataset
 from polspec.models.loader import load_model
 from polspec.models.tokenizers import load_tokenizer
+from polspec.report.summary import mean_interval
 
 FIDELITY_PAIRS = [
     ("tok:mistral-32k", "qwen2.5-coder-1.5b"), ("tok:mistral-32k", "tok:llama3"),
@@ -75,9 +76,10 @@ def speed_table(target_alias: str, drafts: list[str], strategies: list[str], ks:
                 max_tokens: int, vocabs: list) -> Iterator[str]:
     """The speed table's lines, each row as soon as its configuration has run."""
     target = load_model(target_alias)
-    yield ("| draft | vocab | strategy | k | speed vs target-only (median, min-max) | accepted / candidate "
+    yield ("| draft | vocab | strategy | k | speed vs target-only (median, min-max) | mean [95% interval] "
+           "| accepted / candidate "
            "| accepted / draft token | tokens / round | translate / verify | draft / verify |")
-    yield "|---|---|---|---|---|---|---|---|---|---|"
+    yield "|---|---|---|---|---|---|---|---|---|---|---|"
     for draft_alias in drafts:
         draft = load_model(draft_alias)
         for (vocab, name, k) in product(vocabs, strategies, ks):
@@ -96,9 +98,11 @@ def speed_table(target_alias: str, drafts: list[str], strategies: list[str], ks:
             overhead = sum(m.translate_s for m in metrics) / sum(m.verify_s for m in metrics)
             drafting = sum(m.draft_s for m in metrics) / sum(m.verify_s for m in metrics)
             size = metrics[0].draft_vocab or "full"
+            mean, low, high = mean_interval(ratios)
+            interval = f" [{low:.2f}-{high:.2f}]" if low is not None else ""
             yield (
                 f"| {draft_alias} | {size} | {name} | {k} | {statistics.median(ratios):.2f}x "
-                f"({min(ratios):.2f}-{max(ratios):.2f}) | {per_candidate:.1%} | {per_draft:.1%} | {per_round:.2f} "
+                f"({min(ratios):.2f}-{max(ratios):.2f}) | {mean:.2f}x{interval} | {per_candidate:.1%} | {per_draft:.1%} | {per_round:.2f} "
                 f"| {overhead:.1%} | {drafting:.2f} |"
             )
 
