@@ -11,38 +11,27 @@ from polspec.decoding.params import DRAFT_VOCAB, K_POLICIES, MAX_K, PARTIAL_WORD
 DEFAULT_TARGET = "gemma3-270m"
 
 
-class DraftVocabType(click.ParamType):
-    """A number of tokens, or auto or full."""
+class NumberOrName(click.ParamType):
+    """A whole number, or one of ``names`` (a policy or setting); ``number`` says which numbers."""
 
-    name = "N|auto|full"
+    def __init__(self, names: tuple[str, ...], number: str):
+        self.names, self.number = names, number
+        self.name = "N|" + "|".join(names)
 
     def convert(self, value, param, ctx):
-        if isinstance(value, int) or value in DRAFT_VOCAB:
+        if isinstance(value, int) or value in self.names:
             return value
         try:
             return int(value)
         except ValueError:
-            self.fail(f"{value!r} is neither a number of tokens nor one of {', '.join(DRAFT_VOCAB)}", param, ctx)
-
-
-class DraftLengthType(click.ParamType):
-    """A number of draft tokens or the name of a draft-length policy."""
-
-    name = "N|" + "|".join(K_POLICIES)
-
-    def convert(self, value, param, ctx):
-        if isinstance(value, int) or value in K_POLICIES:
-            return value
-        try:
-            return int(value)
-        except ValueError:
-            self.fail(f"{value!r} is neither a number from 1 to {MAX_K} nor one of {', '.join(K_POLICIES)}", param, ctx)
+            self.fail(f"{value!r} is neither {self.number} nor one of {', '.join(self.names)}", param, ctx)
 
 
 _OPTIONS = [
     click.option("--target", default=DEFAULT_TARGET, show_default=True, help="Model alias whose output you get."),
     click.option("--draft", default="none", show_default=True, help="Draft model alias, or none for target-only decoding."),
-    click.option("--k", "k", default="2", show_default=True, type=DraftLengthType(),
+    click.option("--k", "k", default="2", show_default=True,
+                 type=NumberOrName(K_POLICIES, f"a number from 1 to {MAX_K}"),
                  help="Draft tokens per round, or a policy: heuristic (adapts to acceptance), "
                       "confidence (stops when the draft is unsure), auto (from this machine's cost model, "
                       "see polspec models probe; plain decoding when speculation cannot pay)."),
@@ -52,7 +41,8 @@ _OPTIONS = [
     click.option("--partial-word", default="verify", show_default=True, type=click.Choice(PARTIAL_WORD),
                  help="aligned only: verify the tokens of a word the draft stopped inside (one more position in "
                       "the same forward), or hold them for the next round (fewer rejected candidates)."),
-    click.option("--draft-vocab", default="auto", show_default=True, type=DraftVocabType(),
+    click.option("--draft-vocab", default="auto", show_default=True,
+                 type=NumberOrName(DRAFT_VOCAB, "a number of tokens"),
                  help="Tokens the draft may propose: its N most frequent on Polish text (a cheaper draft step, "
                       "still lossless), full, or auto (16384 where the draft has 32768 or more)."),
     click.option("--max-tokens", default=128, show_default=True, type=int, help="Tokens to generate at most."),

@@ -56,13 +56,17 @@ def polish_words() -> list[tuple[str, float]]:
 def token_ranking(loaded: LoadedModel) -> list[int]:
     """The model's token ids, most frequent on Polish text first (the top ``RANKED``), cached."""
     cached = loaded.path / RANKING_FILE
-    if cached.exists():
+    try:
         stored = json.loads(cached.read_text())
         if stored.get("format") == RANKING_FORMAT:
             return stored["ranking"]
+    except (OSError, ValueError, AttributeError):  # none yet, or unreadable: rank again
+        pass
     ranking = _rank(loaded.tokenizer._tokenizer)
-    try:
-        cached.write_text(json.dumps({"format": RANKING_FORMAT, "ranking": ranking}))
+    temporary = cached.with_suffix(".tmp")
+    try:  # written whole or not at all, so a crash cannot leave half a ranking behind
+        temporary.write_text(json.dumps({"format": RANKING_FORMAT, "ranking": ranking}))
+        temporary.replace(cached)
     except OSError:  # a read-only model directory: rank again next time
         pass
     return ranking
