@@ -36,7 +36,7 @@ from polspec.store.migrate import (
     upgrade,
 )
 from polspec.store.queries import batch_progress
-from polspec.store.schema import Batch, Item, Result, metadata
+from polspec.store.schema import Batch, Cell, Item, Result, metadata
 from conftest import sqlite_url
 
 TABLES = {"batches", "cells", "items", "results", "polspec_meta", "alembic_version"}
@@ -142,6 +142,57 @@ def test_upgrade_from_0001_keeps_the_rows_and_gives_the_database_an_id(db_url: s
         assert (item.item_key, item.status, item.worker_pid, item.heartbeat_at) == ("a", "running", None, None)
     assert len(database_id(engine)) == 12 and database_id(engine) == database_id(engine)
     engine.dispose()
+
+
+def _sweep_at_0004(db_url: str, cells: list[tuple[int, str]], items: list[tuple[int | None, str]]) -> None:
+    """A database at revision 0004 holding sweep 1 with ``cells`` (id, key) and ``items``
+    (cell id, item key), and generation batch 2, which takes the items without a cell."""
+    upgrade(db_url, "0004")
+    engine = make_engine(db_url)
+    now = {"now": "2026-12-01 12:00:00"}
+    with engine.begin() as connection:
+        connection.execute(text("INSERT INTO batches (id, kind, spec, status, created_at, updated_at) VALUES "
+                                "(1, 'sweep', '{}', 'done', :now, :now), (2, 'generate', '{}', 'done', :now, :now)"), now)
+        for cell_id, key in cells:
+            connection.execute(text("INSERT INTO cells (id, batch_id, key, config, baseline) "
+                                    "VALUES (:id, 1, :key, '{}', :baseline)"),
+                               {"id": cell_id, "key": key, "baseline": "baseline" in key})
+        for cell_id, item_key in items:
+            connection.execute(text("INSERT INTO items (batch_id, cell_id, item_key, prompt, params, status, attempts, "
+                                    "created_at, updated_at) VALUES (:batch, :cell, :key, 'Wisła', '{}', 'done', 1, "
+                                    ":now, :now)"),
+                               {"batch": 1 if cell_id else 2, "cell": cell_id, "key": item_key} | now)
+    engine.dispose()
+
+
+def test_upgrade_from_0004_gives_sweep_items_their_prompt_and_repeat(db_url: str) -> None:
+    speculative = "pl-wiki/gemma3-270m/aligned/k2/p5/s0/b4"
+    _sweep_at_0004(db_url, [(1, "pl-wiki/baseline/s0"), (2, speculative)], [
+        (1, "pl-wiki/baseline/s0/wiki-001/r0"),
+        (1, "pl-wiki/baseline/s0/wiki-001/r1"),
+        (2, f"{speculative}/wiki-001/r1"),
+        (2, f"{speculative}/my/set/7/r12"),  # a dataset file's own id may contain "/"
+        (None, "pl-wiki/baseline/s0/wiki-001/r0"),  # a generation item is no sweep item, whatever its key
+    ])
+    upgrade(db_url)
+    engine = make_engine(db_url)
+    with session_scope(engine) as session:
+        rows = session.execute(select(Item.cell_id, Item.prompt_key, Item.repeat).order_by(Item.id)).all()
+    engine.dispose()
+    assert [tuple(row) for row in rows] == [(1, "wiki-001", 0), (1, "wiki-001", 1), (2, "wiki-001", 1),
+                                            (2, "my/set/7", 12), (None, None, None)]
+    downgrade(db_url, "0004")  # and back: the columns go, the rows stay
+    assert table_names(db_url) >= {"items", "cells"}
+    upgrade(db_url)
+    assert current_revision(db_url) == head_revision()
+
+
+def test_a_sweep_item_key_that_does_not_parse_stops_the_upgrade_with_one_line(db_url: str) -> None:
+    _sweep_at_0004(db_url, [(1, "pl-wiki/baseline/s0")], [(1, "pl-wiki/baseline/s0/wiki-001")])
+    with pytest.raises(PolspecError, match=r"^sweep item 'pl-wiki/baseline/s0/wiki-001' of cell "
+                                           r"'pl-wiki/baseline/s0' is not named .*; cannot migrate it$"):
+        upgrade(db_url)
+    assert current_revision(db_url) == "0004"  # the migration is one transaction: nothing half done
 
 
 def test_downgrade_to_base_then_upgrade_round_trip(db_url: str) -> None:
@@ -342,6 +393,20 @@ def test_item_needs_an_input_and_a_known_status(engine: Engine) -> None:
         session.add(Item(batch_id=batch.id, item_key="a", prompt="x", params={}, status="lost"))
     with session_scope(engine) as session:
         session.add(Item(batch_id=batch.id, item_key="a", messages=[{"role": "user", "content": "Cześć"}], params={}))
+
+
+def test_a_sweep_item_has_cell_prompt_and_repeat_or_none_and_one_item_per_pair(engine: Engine) -> None:
+    with session_scope(engine) as session:
+        batch = new_batch(session)
+        cell = Cell(batch_id=batch.id, key="pl-wiki/baseline/s0", config={}, baseline=True)
+        session.add(cell)
+        session.flush()
+        session.add(Item(batch_id=batch.id, cell_id=cell.id, item_key="a", prompt_key="wiki-001", repeat=0,
+                         prompt="x", params={}))
+    for partial in ({"cell_id": cell.id, "prompt_key": "wiki-001"}, {"prompt_key": "wiki-001", "repeat": 0},
+                    {"cell_id": cell.id, "prompt_key": "wiki-001", "repeat": 0}):  # the last one: its pair is taken
+        with pytest.raises(IntegrityError), session_scope(engine) as session:
+            session.add(Item(batch_id=batch.id, item_key="b", prompt="x", params={}, **partial))
 
 
 def test_foreign_keys_are_enforced_and_deletes_cascade(engine: Engine) -> None:

@@ -22,7 +22,7 @@ from polspec.errors import PolspecError
 from polspec.jobs.spec import ITEM_PARAMS
 from polspec.jobs.sweep import expand_sweep, load_sweep
 from polspec.report.render import markdown
-from polspec.report.summary import Row, SweepReport, cell_row, predicted_speedup_of_cell
+from polspec.report.summary import Pair, Row, SweepReport, cell_row, predicted_speedup_of_cell
 from polspec.report.summary import headline as summary_headline
 from polspec.store.engine import make_engine, session_scope
 from polspec.store.schema import Cell, Item, Result
@@ -57,7 +57,8 @@ def test_expansion_counts_baselines_and_drift_fair_order():
     assert len({item.key for item in plan.items}) == len(plan.items)
     first = plan.items[:20]  # the first prompt: its baseline, then every speculative cell, per seed
     assert first[0].cell == "pl-short/baseline/s0" and first[0].key == "pl-short/baseline/s0/short-001/r0"
-    assert {item.key.split("/")[-2] for item in first} == {"short-001"}
+    assert {item.prompt_key for item in first} == {"short-001"}
+    assert [item.repeat for item in plan.items[:40:20]] == [0, 1]  # then the same prompt's second repeat
     assert plan.items[1].item.overrides["k"] == 1 and plan.items[1].item.overrides["strategy"] == "aligned"
     assert plan.name.startswith("sweep-") and expand_sweep(config(), "x").name == plan.name
     assert plan.items[1].item.overrides["partial_word"] == "verify"
@@ -99,7 +100,7 @@ def test_batch_sizes_are_a_grid_dimension_enqueued_chunk_by_chunk():
         "pl-short/baseline/s0/b2", "pl-short/smollm2-135m/aligned/k2/p5/s0/b2"]
     assert [cell.config["batch"] for cell in plan.cells] == [1, 1, 2, 2]
     # Two prompts (the largest batch) at a time, each cell's items of them in a row.
-    first = [(item.cell.rsplit("/", 1)[-1], item.key.split("/")[-2]) for item in plan.items[:8]]
+    first = [(item.cell.rsplit("/", 1)[-1], item.prompt_key) for item in plan.items[:8]]
     assert first == [("s0", "short-001"), ("s0", "short-002")] * 2 + [("b2", "short-001"), ("b2", "short-002")] * 2
     assert len(plan.items) == 4 * 4
 
@@ -196,19 +197,20 @@ def test_small_sweep_runs_resumes_and_reports_numbers_recomputable_by_hand(env, 
     assert report["done"] == report["total"] == 10
     # The killed worker's baselines pair with the second worker's results: those pairs are counted.
     runs = {key: (item.worker_host, item.worker_pid) for key, (_, item, _) in rows.items()}
-    crossed = [key for key, (cell, _, _) in rows.items()
-               if not cell.baseline and runs[key] != runs["pl-short/baseline/s0/" + key.split("/", 6)[-1]]]
+    baseline_of = {(item.prompt_key, item.repeat): key for key, (cell, item, _) in rows.items() if cell.baseline}
+    crossed = [key for key, (cell, item, _) in rows.items()
+               if not cell.baseline and runs[key] != runs[baseline_of[item.prompt_key, item.repeat]]]
     assert report["cross_run_pairs"] == len(crossed)
     assert report["headlines"][0]["best"]["speedup"] == max(row["speedup"] for row in report["rows"])
     row = next(r for r in report["rows"] if r["strategy"] == "aligned" and r["k"] == "2")
-    members = [(key, result) for key, (cell, _, result) in rows.items()
+    members = [(item, result) for cell, item, result in rows.values()
                if not cell.baseline and cell.config["strategy"] == "aligned" and cell.config["k"] == 2]
     # Each speculative result records the probe its worker predicted with; baselines none.
     assert all(Probe.from_dict(result.metrics["probe"]) == probe for _, result in members)
     assert all(result.metrics["probe"] is None for cell, _, result in rows.values() if cell.baseline)
     ratios = []
-    for key, result in members:
-        baseline = rows["pl-short/baseline/s0/" + key.split("/", 6)[-1]][2]
+    for item, result in members:
+        baseline = rows[baseline_of[item.prompt_key, item.repeat]][2]
         ratios.append(result.decode_tokens_per_s / baseline.decode_tokens_per_s)
     assert row["prompts"] == 2 and row["speedup"] == pytest.approx(statistics.fmean(ratios))
     accepted = sum(result.metrics["candidates_accepted"] for _, result in members)
@@ -262,8 +264,8 @@ def test_repeats_of_a_prompt_are_averaged_before_the_interval_over_prompts():
     def result(tokens_per_s: float) -> Result:
         return Result(decode_tokens_per_s=tokens_per_s, metrics={"generated_tokens": 8, "rounds": 4})
 
-    members = [(("pl-wiki", 0, 1, "a/r0"), result(2.0)), (("pl-wiki", 0, 1, "a/r1"), result(4.0)),
-               (("pl-wiki", 0, 1, "b/r0"), result(2.0)), (("pl-wiki", 0, 1, "b/r1"), result(2.0))]
+    members = [(Pair("pl-wiki", 0, 1, "a", 0), result(2.0)), (Pair("pl-wiki", 0, 1, "a", 1), result(4.0)),
+               (Pair("pl-wiki", 0, 1, "b", 0), result(2.0)), (Pair("pl-wiki", 0, 1, "b", 1), result(2.0))]
     baseline = {pair: 2.0 for pair, _ in members}
     row = cell_row(("pl-wiki", "gemma3-270m", "aligned", "2", 5, 1), members, baseline, None)
     per_prompt = [1.5, 1.0]  # a: (1 + 2) / 2, b: (1 + 1) / 2
@@ -290,6 +292,49 @@ def test_resuming_reopens_a_cancelled_sweep_and_keeps_a_finished_one_done(env, t
     code, output = cli(env, "enqueue", "sweep", "--config", str(sweep_file), "--json")
     assert code == 0 and json.loads(output)["enqueued"] == 0
     assert json.loads(cli(env, "status", str(batch), "--json")[1].splitlines()[0])["status"] == "done"
+
+
+def test_a_sweep_stores_prompt_and_repeat_and_the_report_pairs_results_by_them(env, tmp_path):
+    sweep_file = tmp_path / "small.toml"
+    sweep_file.write_text(SMALL + "repeats = 2\n")
+    code, output = cli(env, "enqueue", "sweep", "--config", str(sweep_file), "--json")
+    assert code == 0, output
+    rows = stored(env)
+    assert len(rows) == 5 * 2 * 2  # cells x prompts x repeats
+    assert all(key == f"{cell.key}/{item.prompt_key}/r{item.repeat}" for key, (cell, item, _) in rows.items())
+    assert {(item.prompt_key, item.repeat) for _, item, _ in rows.values()} == {
+        (prompt, repeat) for prompt in ("short-001", "short-002") for repeat in (0, 1)}
+
+    # Results by hand: every speculative cell exactly `factor` times as fast as the baseline on
+    # the same prompt and repeat, whose speeds all differ, so one mispaired result shows.
+    base_speed = {("short-001", 0): 10.0, ("short-001", 1): 13.0, ("short-002", 0): 31.0, ("short-002", 1): 47.0}
+    engine = make_engine(env["POLSPEC_DB_URL"])
+    with session_scope(engine) as session:
+        for cell, item, _ in rows.values():
+            factor = 1.0 if cell.baseline else factor_of(cell.config)
+            session.add(hand_result(item.id, base_speed[item.prompt_key, item.repeat] * factor))
+        session.execute(update(Item).values(status="done"))
+    engine.dispose()
+    code, output = cli(env, "report", str(json.loads(output)["batch"]), "--format", "json")
+    assert code == 0, output
+    report = json.loads(output.splitlines()[0])
+    assert len(report["rows"]) == 4 and report["done"] == report["total"] == 20
+    for row in report["rows"]:
+        factor = factor_of(row)
+        assert row["prompts"] == 2
+        assert (row["speedup"], row["speedup_low"], row["speedup_high"]) == pytest.approx((factor, factor, factor))
+
+
+def factor_of(config: dict) -> float:
+    """The made-up speedup of a speculative cell (or report row) in the test above."""
+    return 1 + int(config["k"]) / 10 + (0.5 if config["strategy"] == "naive" else 0.0)
+
+
+def hand_result(item_id: int, tokens_per_s: float) -> Result:
+    return Result(item_id=item_id, text="Wisła", token_ids=[1, 2], metrics={"generated_tokens": 2, "rounds": 2},
+                  prompt_tokens=3, generated_tokens=2, decode_tokens_per_s=tokens_per_s, acceptance_rate=None,
+                  energy_joules=None, energy_unavailable_reason="no meter in this test", backend="mlx-cpu",
+                  device="cpu", versions={}, timings={})
 
 
 def test_report_of_a_missing_sweep_is_one_line(env):
@@ -337,8 +382,8 @@ def test_each_result_is_predicted_with_the_probe_of_the_machine_that_ran_it():
                                "probe": recorded.as_dict() if recorded else None})
 
     fast, slow, here = probe(0.2), probe(0.5), probe(0.3)
-    members = [(("pl-wiki", 0, 1, "w1/r0"), result(fast, 8)), (("pl-wiki", 0, 1, "w2/r0"), result(fast, 12)),
-               (("pl-wiki", 0, 1, "w3/r0"), result(slow, 6)), (("pl-wiki", 0, 1, "w4/r0"), result(None, 4))]
+    members = [(Pair("pl-wiki", 0, 1, "w1", 0), result(fast, 8)), (Pair("pl-wiki", 0, 1, "w2", 0), result(fast, 12)),
+               (Pair("pl-wiki", 0, 1, "w3", 0), result(slow, 6)), (Pair("pl-wiki", 0, 1, "w4", 0), result(None, 4))]
     by_machine = [
         (predicted_speedup_of_rounds(fast, 20 / (20 + 6 + 4), 2, 1.0, 20, 0), 2),  # w1 + w2: 20 accepted, 10 rejections
         (predicted_speedup_of_rounds(slow, 6 / (6 + 7), 2, 1.0, 10, 0), 1),
@@ -354,7 +399,7 @@ def test_each_result_is_predicted_with_the_probe_of_the_machine_that_ran_it():
     # plainly there, which the model predicts as speedup 1.
     plain = Result(metrics={"rounds": 12, "plain_rounds": 12, "draft_tokens": 0, "candidates": 0,
                             "candidates_accepted": 0, "rejections": 0, "probe": slow.as_dict()})
-    auto = [members[0], (("pl-wiki", 0, 1, "w5/r0"), plain)]
+    auto = [members[0], (Pair("pl-wiki", 0, 1, "w5", 0), plain)]
     expected_auto = (predicted_speedup_of_rounds(fast, 8 / (8 + 6), 2, 1.0, 10, 0) + 1.0) / 2
     assert predicted_speedup_of_cell("auto", auto, None) == pytest.approx(expected_auto)
 

@@ -160,8 +160,9 @@ def _write_sweep(session: Session, plan: SweepPlan) -> tuple[int, list[tuple[int
              for cell in plan.cells}
     session.add_all(cells.values())
     session.flush()
-    rows = [Item(batch_id=batch.id, cell_id=cells[item.cell].id, item_key=item.key, prompt=item.item.prompt,
-                 messages=item.item.messages, params=item.item.overrides) for item in plan.items]
+    rows = [Item(batch_id=batch.id, cell_id=cells[item.cell].id, item_key=item.key, prompt_key=item.prompt_key,
+                 repeat=item.repeat, prompt=item.item.prompt, messages=item.item.messages,
+                 params=item.item.overrides) for item in plan.items]
     session.add_all(rows)
     session.flush()
     return batch.id, [(row.id, row.params["max_tokens"]) for row in rows]

@@ -70,8 +70,13 @@ class CellPlan:
 
 @dataclass(frozen=True)
 class ItemPlan:
+    """One item of a sweep: its cell's key, its unique item key, the dataset's id of its prompt
+    and its repeat (stored as columns, which pair it with other cells' items), and its input."""
+
     cell: str
     key: str
+    prompt_key: str
+    repeat: int
     item: ItemInput
 
 
@@ -147,8 +152,8 @@ def expand_sweep(config: dict[str, Any], source: str) -> SweepPlan:
             for cell in per_dataset[dataset]:
                 for item, repeat in runs[start:start + chunk]:
                     key = f"{cell.key}/{item.key}/r{repeat}"
-                    plan.items.append(ItemPlan(cell.key, key, ItemInput(key, item.prompt, item.messages,
-                                                                         cell.params.as_dict())))
+                    plan.items.append(ItemPlan(cell.key, key, item.key, repeat,
+                                               ItemInput(key, item.prompt, item.messages, cell.params.as_dict())))
     return plan
 
 

@@ -30,7 +30,7 @@ import math
 import statistics
 from collections import defaultdict
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from sqlalchemy import Engine, func, select
 
@@ -45,6 +45,17 @@ from polspec.store.schema import Batch, Cell, Item, Result, Status
 _T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
         2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
         2.045, 2.042)
+
+
+class Pair(NamedTuple):
+    """Where a result sits in its sweep, short of the configuration under test: a speculative
+    result is compared with the baseline result of an equal pair. Read from the item's columns."""
+
+    dataset: str
+    seed: int
+    batch: int
+    prompt_key: str
+    repeat: int
 
 
 @dataclass
@@ -163,17 +174,16 @@ def sweep_report(engine: Engine, batch_id: int) -> SweepReport:
         name, target, status = batch.name, batch.spec["target"], batch.status
         counts = dict(session.execute(select(Item.status, func.count()).where(Item.batch_id == batch_id)
                                       .group_by(Item.status)).all())
-    baseline: dict[tuple, float] = {}
-    baseline_runs: dict[tuple, tuple] = {}
-    speculative_runs: list[tuple[tuple, tuple]] = []
-    groups: dict[tuple, list[tuple[tuple, Result]]] = defaultdict(list)
+    baseline: dict[Pair, float] = {}
+    baseline_runs: dict[Pair, tuple] = {}
+    speculative_runs: list[tuple[Pair, tuple]] = []
+    groups: dict[tuple, list[tuple[Pair, Result]]] = defaultdict(list)
     spans: dict[tuple, list[tuple[Any, Any, int]]] = defaultdict(list)  # per cell: (start, end, tokens)
     for cell, item, result in rows:
         run = (item.worker_host, item.worker_pid)
         config = cell.config
         batch_size = config.get("batch", 1)  # sweeps from before batching ran every item alone
-        # The item key is "<cell key>/<prompt id>/r<repeat>": pairs share dataset, seed, batch and the rest.
-        pair = (config["dataset"], config["seed"], batch_size, item.item_key[len(cell.key) + 1:])
+        pair = Pair(config["dataset"], config["seed"], batch_size, item.prompt_key, item.repeat)
         key = (config["dataset"], config["draft"], config["strategy"], str(config["k"]), config["prefix"],
                batch_size) if not cell.baseline else (config["dataset"], None, batch_size)
         if item.started_at is not None and item.finished_at is not None:
@@ -200,16 +210,11 @@ def _aggregate(spans: list[tuple[Any, Any, int]]) -> float | None:
     return sum(tokens for _, _, tokens in spans) / busy if busy > 0 else None
 
 
-def _prompt(pair: tuple) -> str:
-    """The prompt id of a (dataset, seed, batch, "<prompt id>/r<repeat>") pair."""
-    return pair[3].rsplit("/", 1)[0]
-
-
-def cell_row(key: tuple, members: list[tuple[tuple, Result]], baseline: dict[tuple, float], probe: Probe | None,
+def cell_row(key: tuple, members: list[tuple[Pair, Result]], baseline: dict[Pair, float], probe: Probe | None,
              aggregate: float | None = None, baseline_aggregate: float | None = None) -> Row:
     """The row of ``key`` (dataset, draft, strategy, k, prefix, batch) from its results, each
-    with its (dataset, seed, batch, "<prompt id>/r<repeat>") pair, the baseline tokens/s of
-    each pair, and the aggregate throughput of the cell and of its batch size's baseline."""
+    with its pair, the baseline tokens/s of each pair, and the aggregate throughput of the cell
+    and of its batch size's baseline."""
     dataset, draft, strategy, k, prefix, batch = key
     metrics = [result.metrics for _, result in members]
 
@@ -221,7 +226,7 @@ def cell_row(key: tuple, members: list[tuple[tuple, Result]], baseline: dict[tup
     for pair, result in members:
         paired = baseline.get(pair)
         if paired:
-            ratios_per_prompt[_prompt(pair)].append(result.decode_tokens_per_s / paired)
+            ratios_per_prompt[pair.prompt_key].append(result.decode_tokens_per_s / paired)
             base_speeds.append(paired)
     ratios = [statistics.fmean(values) for values in ratios_per_prompt.values()]
     speedup, low, high = mean_interval(ratios) if ratios else (None, None, None)
@@ -233,7 +238,7 @@ def cell_row(key: tuple, members: list[tuple[tuple, Result]], baseline: dict[tup
     k_used = _k_used(k, metrics)
     even = break_even_acceptance(probe, k_used, ratio) if probe is not None and k_used else None
     return Row(
-        dataset, draft, strategy, k, prefix, batch, len({_prompt(pair) for pair, _ in members}),
+        dataset, draft, strategy, k, prefix, batch, len({pair.prompt_key for pair, _ in members}),
         accepted / total("candidates") if total("candidates") else None,
         total("draft_tokens_accepted") / total("draft_tokens") if total("draft_tokens") else None,
         total("generated_tokens") / total("rounds") if total("rounds") else None,
@@ -264,13 +269,13 @@ def _k_used(k: str, metrics: list[dict]) -> int:
     return max(1, round(_total(metrics, "draft_tokens") / speculative)) if speculative else 0
 
 
-def predicted_speedup_of_cell(k: str, members: list[tuple[tuple, Result]], fallback: Probe | None) -> float | None:
+def predicted_speedup_of_cell(k: str, members: list[tuple[Pair, Result]], fallback: Probe | None) -> float | None:
     """The cost model's speedup for a cell's results, each predicted with the probe its worker
     recorded (the machine that ran it) or else ``fallback``: per probe, from the acceptance
     measured over that probe's results, then averaged weighted by the prompts each probe ran (a
     prompt split across machines counts once per machine). None when a result has no probe
     either way, or a probe's results speculated without a single verified candidate."""
-    by_probe: dict[str, list[tuple[tuple, Result]]] = defaultdict(list)
+    by_probe: dict[str, list[tuple[Pair, Result]]] = defaultdict(list)
     for pair, result in members:
         # JSON text as the key: the recorded probe is a dict, and equal dicts are one machine.
         by_probe[json.dumps(result.metrics.get("probe"), sort_keys=True)].append((pair, result))
@@ -289,7 +294,7 @@ def predicted_speedup_of_cell(k: str, members: list[tuple[tuple, Result]], fallb
         a_hat = accepted / (accepted + rejections) if speculative else 0.0
         predicted = predicted_speedup_of_rounds(probe, a_hat, max(k_used, 1), _candidates_per_draft_token(metrics),
                                                 speculative, _total(metrics, "plain_rounds"))
-        weighted.append((predicted, len({_prompt(pair) for pair, _ in group})))
+        weighted.append((predicted, len({pair.prompt_key for pair, _ in group})))
     if not weighted:
         return None
     return sum(value * prompts for value, prompts in weighted) / sum(prompts for _, prompts in weighted)

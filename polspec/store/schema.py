@@ -12,7 +12,8 @@ The database is the record of every batch; Redis only delivers work. Contract:
   when the schema is created. Job ids carry it, so a worker never runs a job that was
   enqueued against another database sharing its Redis.
 - ``cells``: the configurations of a sweep (a batch of kind ``sweep``); each of its items
-  belongs to one cell. Generation batches have no cells.
+  belongs to one cell and names its prompt and repeat in columns, which is what pairs a
+  result with the baseline's. Generation batches have no cells.
 - ``results``: at most one row per item (``item_id`` is unique), so a retried item can never
   produce two results. Raw outputs (``text``, ``token_ids``) are kept apart from ``metrics``
   so metrics can be recomputed without regenerating. Energy is either measured (joules with
@@ -170,6 +171,14 @@ class Item(Base):
     reason of the latest failure; ``worker_host`` and ``worker_pid`` the process that last
     took it, so a restarted worker on the same host can tell that a running item's worker died;
     ``heartbeat_at`` is the running worker's lease, renewed while it runs (see ``store.items``).
+
+    A sweep item has its place in the sweep as columns: ``cell_id``, ``prompt_key`` (the
+    dataset's id of its prompt) and ``repeat`` (0, 1, ...). Items of different cells with equal
+    prompt key and repeat are the pairs the report compares; no cell has two of one pair. Every
+    other item has none of the three (NULL): a generation item's ``item_key`` already is its
+    whole identity, and copying it into ``prompt_key`` would make "is a sweep item" ambiguous.
+    The database enforces all-or-none. ``item_key`` stays the unique name that resuming and
+    retrying go by; nothing reads the sweep's coordinates out of it (revision 0005 did, once).
     """
 
     __tablename__ = "items"
@@ -177,6 +186,10 @@ class Item(Base):
         UniqueConstraint("batch_id", "item_key"),
         CheckConstraint(_STATUS_CHECK, name="status"),
         CheckConstraint("prompt IS NOT NULL OR messages IS NOT NULL", name="has_input"),
+        CheckConstraint("(cell_id IS NULL AND prompt_key IS NULL AND repeat IS NULL)"
+                        " OR (cell_id IS NOT NULL AND prompt_key IS NOT NULL AND repeat IS NOT NULL)",
+                        name="sweep_coordinates"),
+        UniqueConstraint("cell_id", "prompt_key", "repeat"),
         # Progress and recovery count and select items by batch and status.
         Index("ix_items_batch_id_status", "batch_id", "status"),
     )
@@ -185,6 +198,8 @@ class Item(Base):
     batch_id: Mapped[int] = mapped_column(ForeignKey("batches.id", ondelete="CASCADE"))
     cell_id: Mapped[int | None] = mapped_column(ForeignKey("cells.id", ondelete="CASCADE"), index=True)
     item_key: Mapped[str]
+    prompt_key: Mapped[str | None]
+    repeat: Mapped[int | None]
     prompt: Mapped[str | None] = mapped_column(Text)
     messages: Mapped[list[dict[str, Any]] | None]
     params: Mapped[dict[str, Any]]
