@@ -10,7 +10,9 @@ from collections import Counter
 import mlx.core as mx
 import numpy as np
 
+from polspec.decoding.params import DecodingParams
 from polspec.decoding.run import encode_prompt
+from polspec.decoding.sampling import sampling_logprobs
 
 TIE = 1e-5
 
@@ -38,27 +40,29 @@ def chi_square_critical(df: int, z: float = 3.09) -> float:
 SAMPLED_PROMPT = "Wisła to najdłuższa rzeka"  # a next-token distribution with a few likely tokens
 
 
-def next_token_probabilities(model, ids: list[int], temperature: float) -> np.ndarray:
-    logits = last_logits(model, ids).astype(np.float64) / temperature
-    weights = np.exp(logits - logits.max())
-    return weights / weights.sum()
+def next_token_probabilities(model, ids: list[int], params: DecodingParams) -> np.ndarray:
+    """The target-only sampler's distribution after ``ids`` (temperature, top-p, top-k)."""
+    logprobs = sampling_logprobs(mx.array(last_logits(model, ids)), params)
+    return np.exp(np.array(logprobs).astype(np.float64))
 
 
-def two_token_bins(model, prompt: str, temperature: float, samples: int) -> dict[tuple, float]:
+def two_token_bins(model, prompt: str, temperature: float, samples: int, top_p: float = 1.0,
+                   top_k: int = 0) -> dict[tuple, float]:
     """Exact probabilities of the first two sampled tokens, from the target's own logits, in bins
     that ``samples`` draws fill at least 5 times on average: ``(t0, t1)`` for a likely pair,
     ``(t0, None)`` for a likely first token followed by any other. The chi-square test pools the
     sequences of no bin into one whose probability is the rest of the mass.
     """
+    params = DecodingParams(temperature=temperature, top_p=top_p, top_k=top_k)
     ids = encode_prompt(model, prompt, chat=False)
-    first = next_token_probabilities(model, ids, temperature)
+    first = next_token_probabilities(model, ids, params)
     eos = set(model.tokenizer.eos_token_ids)
     bins: dict[tuple, float] = {}
     for t0 in map(int, np.flatnonzero(first * samples >= 5)):
         if t0 in eos:  # generation stops after it: a one-token sequence
             bins[(t0,)] = float(first[t0])
             continue
-        joint = first[t0] * next_token_probabilities(model, ids + [t0], temperature)
+        joint = first[t0] * next_token_probabilities(model, ids + [t0], params)
         pairs = {(t0, int(t1)): float(joint[t1]) for t1 in np.flatnonzero(joint * samples >= 5)}
         bins |= pairs
         other = float(first[t0]) - sum(pairs.values())

@@ -137,11 +137,13 @@ def test_sequences_join_and_leave_between_rounds(gemma3, smollm2, single):
         assert_same_or_float_tie(gemma3, PROMPTS[index], single(gemma3, index), tokens[index])
 
 
-def test_batched_sampling_keeps_the_target_distribution(gemma3, smollm2):
-    """Speculative two-token samples at B = 4 follow the target's exact joint distribution."""
+def test_batched_speculative_sampling_keeps_the_target_distribution(gemma3, smollm2):
+    """Two-token samples at B = 4 under speculative sampling across tokenizers (TLI), at
+    temperature 0.7 with top-p, follow the target's exact joint distribution."""
     samples = 80
-    bins = two_token_bins(gemma3, SAMPLED_PROMPT, 1.0, samples)
-    requests = [(SAMPLED_PROMPT, DecodingParams(seed=s, max_tokens=2, temperature=1.0, k=2)) for s in range(samples)]
+    bins = two_token_bins(gemma3, SAMPLED_PROMPT, 0.7, samples, top_p=0.9)
+    requests = [(SAMPLED_PROMPT, DecodingParams(seed=s, max_tokens=2, temperature=0.7, top_p=0.9, k=2, verify="tli"))
+                for s in range(samples)]
     sequences: dict[int, list[int]] = {s: [] for s in range(samples)}
     for event in stream_batch(gemma3, smollm2, requests, max_batch=4, chat=False):
         if event.commit:

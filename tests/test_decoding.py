@@ -116,12 +116,13 @@ def test_caches_hold_exactly_the_committed_and_resynced_tokens(request, pair):
 
 
 @pytest.mark.slow
-def test_sampling_keeps_the_target_distribution(gemma3, smollm2):
-    """Speculative samples of two tokens follow the target's exact joint distribution."""
+def test_exact_match_sampling_keeps_the_target_distribution(gemma3, smollm2):
+    """Speculative samples of two tokens, verified by exact match of translated candidates,
+    follow the target's exact joint distribution (speculative sampling: test_batch, test_draft_vocab)."""
     samples = 80
     bins = two_token_bins(gemma3, SAMPLED_PROMPT, 1.0, samples)
-    speculative = [generate(gemma3, smollm2, SAMPLED_PROMPT, DecodingParams(seed=s, max_tokens=2, temperature=1.0, k=2),
-                            chat=False).token_ids for s in range(samples)]
+    params = [DecodingParams(seed=s, max_tokens=2, temperature=1.0, k=2, verify="exact") for s in range(samples)]
+    speculative = [generate(gemma3, smollm2, SAMPLED_PROMPT, p, chat=False).token_ids for p in params]
     statistic, df = goodness_of_fit(speculative, bins)
     assert df >= 3, f"too few likely sequences to test the distribution: {bins}"
     assert statistic < chi_square_critical(df), (statistic, df, Counter(map(tuple, speculative)).most_common(5))

@@ -103,12 +103,15 @@ def test_greedy_with_a_pruned_draft_equals_the_target_alone(request, pair):
 
 
 def test_sampling_with_a_pruned_draft_keeps_the_target_distribution(gemma3):
-    """A same-family pair (gemma3 drafting for itself) accepts most candidates, so the pruned
-    draft's proposals decide many committed tokens: their distribution must still be the target's."""
+    """A same-family pair (gemma3 drafting for itself) under speculative sampling with top-k:
+    the pruned draft's q differs from p (it has no mass outside its subset), and the pair
+    accepts most candidates, so the draft's tokens decide many committed tokens; their
+    distribution must still be the target's."""
     samples = 80
-    bins = two_token_bins(gemma3, SAMPLED_PROMPT, 1.0, samples)
+    bins = two_token_bins(gemma3, SAMPLED_PROMPT, 1.0, samples, top_k=40)
     runs = [generate(gemma3, gemma3, SAMPLED_PROMPT,
-                     DecodingParams(seed=s, max_tokens=2, temperature=1.0, k=2, draft_vocab=SMALL), chat=False)
+                     DecodingParams(seed=s, max_tokens=2, temperature=1.0, top_k=40, k=2, draft_vocab=SMALL,
+                                    verify="tli"), chat=False)
             for s in range(samples)]
     assert sum(run.metrics.candidates_accepted for run in runs) > 0
     statistic, df = goodness_of_fit([run.token_ids for run in runs], bins)

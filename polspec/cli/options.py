@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import click
 
-from polspec.decoding.params import DRAFT_VOCAB, K_POLICIES, MAX_K, PARTIAL_WORD, STRATEGIES
+from polspec.decoding.params import DRAFT_VOCAB, K_POLICIES, MAX_K, PARTIAL_WORD, STRATEGIES, VERIFY
 
 DEFAULT_TARGET = "gemma3-270m"
 
@@ -50,6 +50,11 @@ _OPTIONS = [
     click.option("--top-p", default=1.0, show_default=True, type=float, help="Nucleus sampling mass, in (0, 1]."),
     click.option("--top-k", default=0, show_default=True, type=int, help="Sample among the k likeliest tokens (0: off)."),
     click.option("--seed", type=int, help="Random seed for sampling."),
+    click.option("--verify", default="auto", show_default=True, type=click.Choice(VERIFY),
+                 help="When sampling: tli (speculative sampling over the tokens both vocabularies share: the draft "
+                      "samples, the target accepts with probability min(1, p/q); keeps acceptance up as the "
+                      "temperature rises), exact (a candidate counts only where the target samples the same token), "
+                      "or auto (tli). Greedy decoding always verifies by exact match."),
     click.option("--raw", is_flag=True, help="Continue prompts as plain text instead of applying the chat templates."),
 ]
 

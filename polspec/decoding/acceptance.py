@@ -46,6 +46,10 @@ _ESTIMATES: dict[tuple[str, str, str], AcceptanceEstimate] = {}
 def acceptance_estimate(target: str, draft: str, params: DecodingParams) -> AcceptanceEstimate:
     """The running estimate for a pair and the translation ``params`` choose: its strategy, and
     for ``aligned`` its partial-word rule too (``aligned/hold`` apart from ``aligned/verify``,
-    whose candidates are accepted at different rates)."""
-    translation = f"aligned/{params.partial_word}" if params.strategy == "aligned" else params.strategy
+    whose candidates are accepted at different rates); speculative sampling (``tli``) apart
+    from them all."""
+    if params.verification == "tli":
+        translation = "tli"
+    else:
+        translation = f"aligned/{params.partial_word}" if params.strategy == "aligned" else params.strategy
     return _ESTIMATES.setdefault((target, draft, translation), AcceptanceEstimate())

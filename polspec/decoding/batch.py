@@ -18,7 +18,7 @@ at the start of the next round while a slot is free; a finished (or :meth:`remov
 
 Lossless per sequence, as the single-sequence decoders: every committed token is the
 target's own choice at its position (greedy, or sampled with the sequence's own sampler and
-seed), so a sequence's output does not depend on what else the batch holds, up to float
+seed, or accepted by speculative sampling with draws keyed by the sequence's seed), so a sequence's output does not depend on what else the batch holds, up to float
 rounding of batched matrix products (ties, shown by the tests).
 """
 
@@ -32,20 +32,20 @@ from dataclasses import dataclass, field
 from polspec import backend  # noqa: F401  (before mlx: the Linux BLAS fix)
 
 import mlx.core as mx
-import mlx.nn as nn
 
 from polspec.decoding import batch_kv
 from polspec.decoding.acceptance import acceptance_estimate
 from polspec.decoding.commit import Commit
 from polspec.decoding.costmodel import Probe, can_pay, throughput_batch_size
-from polspec.decoding.draft_head import DraftHead
+from polspec.decoding.draft_head import DraftHead, vocabulary_size
 from polspec.decoding.draft_vocab import draft_head
 from polspec.decoding.metrics import DecodeMetrics
 from polspec.decoding.params import DecodingParams
 from polspec.decoding.policy import DraftLength
 from polspec.decoding.prompts import Prompt, encode_request
-from polspec.decoding.sampling import token_sampler
+from polspec.decoding.sampling import sequence_seed, token_sampler
 from polspec.decoding.speculative import DraftText, settle_round, translate_proposal, translation_tables
+from polspec.decoding.speculative_sampling import SharedDraft, shared_vocabulary, speculative_choices
 from polspec.errors import PolspecError
 from polspec.models.loader import LoadedModel
 
@@ -74,7 +74,10 @@ class _Sequence:
     draft_text: DraftText | None
     draft_prompt: list[int] | None
     head: DraftHead | None = None  # the draft's output layer for this row (its draft_vocab)
+    seed: int = 0
     sample: Callable[[mx.array], mx.array] | None = None
+    shared: SharedDraft | None = None  # under speculative sampling: the head over the shared vocabulary
+    probabilities: list[mx.array] = field(default_factory=list)  # what this round's draft tokens were drawn from
     eos: set[int] = field(default_factory=set)
     committed: list[int] = field(default_factory=list)
     pending: int = 0
@@ -127,7 +130,11 @@ class BatchDecoder:
         if policy is not None:
             sequence.head = draft_head(self.draft, params.draft_vocab)
             metrics.draft_vocab = sequence.head.size
-        sequence.sample = token_sampler(params)
+            metrics.verify = params.verification
+            if params.verification == "tli":
+                sequence.shared = SharedDraft(sequence.head, shared_vocabulary(self.target, self.draft), self.draft)
+        sequence.seed = sequence_seed(params)
+        sequence.sample = token_sampler(params, sequence.seed)
         sequence.eos = set(self.target.tokenizer.eos_token_ids)
         self.waiting.append(sequence)
 
@@ -156,8 +163,11 @@ class BatchDecoder:
         candidates = []
         for sequence, proposal in zip(self.rows, proposals):
             context = sequence.prompt[-sequence.params.prefix - 8:] + sequence.committed
-            found = translate_proposal(sequence.params, self.tables, proposal, context,
-                                       sequence.draft_text.lag if sequence.draft_text else b"", sequence.metrics)
+            if sequence.shared is not None:
+                found = sequence.shared.candidates(proposal)
+            else:
+                found = translate_proposal(sequence.params, self.tables, proposal, context,
+                                           sequence.draft_text.lag if sequence.draft_text else b"", sequence.metrics)
             candidates.append(found[: sequence.params.max_tokens - len(sequence.committed)])
         translate_s = time.perf_counter() - clock
 
@@ -168,7 +178,8 @@ class BatchDecoder:
         for row, sequence in enumerate(self.rows):
             new, accepted, stopped = settle_round(
                 candidates[row], choices[row], proposals[row], len(sequence.committed), sequence.params,
-                sequence.eos, sequence.metrics, sequence.policy or _PLAIN, self.tables)
+                sequence.eos, sequence.metrics, sequence.policy or _PLAIN,
+                self.tables if sequence.shared is None else None)
             trims.append(width - 1 - accepted)
             sequence.metrics.plain_rounds += not proposals[row] and sequence.policy is not None
             sequence.committed += new
@@ -256,8 +267,10 @@ class BatchDecoder:
         confident = [row for row, s in enumerate(self.rows) if _confident(s) and ks[row]]
         thresholds = mx.array([self.rows[row].policy.threshold for row in confident])
         tokens, confidences = [], []
+        for sequence in self.rows:
+            sequence.probabilities = []
         for step in range(steps):
-            token, confidence = _greedy(heads, features, len(self.rows), bool(confident))
+            token, confidence = _draft_step(heads, features, self.rows, step, ks, bool(confident))
             tokens.append(token)
             confidences.append(confidence)
             if step + 1 == steps:
@@ -305,7 +318,16 @@ class BatchDecoder:
         if all(s.params.temperature == 0 for s in self.rows):
             chosen = mx.argmax(logits, axis=-1).tolist()
             return [row[: len(fed)] for row, fed in zip(chosen, inputs)]
-        picks = [s.sample(logits[row, : len(fed)]) for row, (s, fed) in enumerate(zip(self.rows, inputs))]
+        picks = []
+        for row, (sequence, found) in enumerate(zip(self.rows, candidates)):
+            scores = logits[row, : len(found) + 1]
+            if sequence.shared is None:
+                picks.append(sequence.sample(scores))
+                continue
+            drawn_from = (sequence.shared.in_target_space(sequence.probabilities[: len(found)], scores.shape[-1])
+                          if found else None)
+            picks.append(speculative_choices(scores, found, drawn_from, sequence.params, sequence.seed,
+                                             len(sequence.committed)))
         mx.eval(picks)
         return [pick.tolist() for pick in picks]
 
@@ -345,14 +367,26 @@ class BatchDecoder:
                 batch_kv.row_lengths(self.draft_cache) if self.draft_cache else [])
 
 
-def _greedy(heads: dict[DraftHead, list[int]], features: mx.array, size: int,
-            confidence_needed: bool) -> tuple[mx.array, mx.array]:
-    """Each row's greedy draft token through the row's own head, and its draft probability
-    (zeros unless ``confidence_needed``)."""
+def _draft_step(heads: dict[DraftHead, list[int]], features: mx.array, sequences: list[_Sequence], step: int,
+                ks: list[int], confidence_needed: bool) -> tuple[mx.array, mx.array]:
+    """Each row's draft token through the row's own head, and its draft probability (zeros
+    unless ``confidence_needed``). Greedy, except that a row under speculative sampling
+    samples over its shared vocabulary in the steps it proposes from (keeping what it drew
+    from in its ``probabilities``)."""
+    size = len(sequences)
     token, confidence = mx.zeros(size, mx.int32), mx.zeros(size)
     for head, rows in heads.items():
         logits = head.logits(features if len(rows) == size else features[mx.array(rows)])
         index = mx.argmax(logits, axis=-1)
+        sampled = [i for i, row in enumerate(rows) if sequences[row].shared is not None and step < ks[row]]
+        if sampled:
+            picks = list(index)
+            for i in sampled:
+                sequence = sequences[rows[i]]
+                picks[i], drawn_from = sequence.shared.sample(logits[i], sequence.params, sequence.seed,
+                                                              len(sequence.committed), step)
+                sequence.probabilities.append(drawn_from)
+            index = mx.stack(picks)
         chosen = head.vocabulary_ids(index).astype(mx.int32)
         sure = (mx.take_along_axis(mx.softmax(logits, axis=-1), index[:, None], axis=-1)[:, 0] if confidence_needed
                 else mx.zeros(len(rows)))
@@ -418,7 +452,7 @@ def max_batch_size(target: LoadedModel, draft: LoadedModel | None, longest: int,
     per_token = batch_kv.kv_bytes_per_token(target.model, batch_kv.check_batchable(target.model, target.entry.alias))
     if draft is not None:
         per_token += batch_kv.kv_bytes_per_token(draft.model, batch_kv.check_batchable(draft.model, draft.entry.alias))
-    logits = 4 * (_vocabulary(target.model) + (_vocabulary(draft.model) if draft else 0)) * 2 * (DecodingParams().k_max + 1)
+    logits = 4 * (vocabulary_size(target.model) + (vocabulary_size(draft.model) if draft else 0)) * 2 * (DecodingParams().k_max + 1)
     per_sequence = per_token * longest + logits
     budget = free_memory_bytes() * MEMORY_SHARE
     fits = int(budget // per_sequence)
@@ -434,8 +468,3 @@ def best_batch_size(target: LoadedModel, draft: LoadedModel | None, probe: Probe
     :func:`~polspec.decoding.costmodel.throughput_batch_size`, capped by what memory holds for
     ``longest`` tokens a sequence."""
     return min(throughput_batch_size(probe), max_batch_size(target, draft, longest))
-
-
-def _vocabulary(model: nn.Module) -> int:
-    size = getattr(getattr(model, "args", None), "vocab_size", None)
-    return size if isinstance(size, int) else model(mx.array([[0]])).shape[-1]

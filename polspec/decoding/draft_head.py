@@ -29,6 +29,12 @@ def can_split(model: nn.Module) -> bool:
     return getattr(model, "model_type", None) in SPLIT_MODEL_TYPES
 
 
+def vocabulary_size(model: nn.Module) -> int:
+    """How many logits the model gives per position (its embedding rows, often more than its tokenizer's tokens)."""
+    size = getattr(getattr(model, "args", None), "vocab_size", None)
+    return size if isinstance(size, int) else model(mx.array([[0]])).shape[-1]
+
+
 def output_layer(model: nn.Module) -> nn.Module:
     """The module that turns hidden states into logits: the tied embedding or ``lm_head``."""
     tied = getattr(model, "tie_word_embeddings", None)

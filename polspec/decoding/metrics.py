@@ -35,6 +35,7 @@ class DecodeMetrics:
     batch_size: float = 1.0  # sequences decoded together, averaged over this sequence's rounds
     finish_reason: str = ""
     draft_vocab: int | None = None  # tokens the draft could propose (a pruned vocabulary); None: all
+    verify: str | None = None  # how rounds were verified (exact, tli); None without a draft
     k_policy_note: str = ""  # what the auto draft length decided, when it decided for the whole generation
 
     @property

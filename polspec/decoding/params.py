@@ -12,6 +12,7 @@ PARTIAL_WORD = ("verify", "hold")  # what aligned does with the tokens of a word
 MAX_K = 16
 DRAFT_VOCAB = ("auto", "full")  # or a number of tokens, see polspec.decoding.draft_vocab
 MIN_DRAFT_VOCAB = 1024
+VERIFY = ("auto", "exact", "tli")  # how a sampled round is verified, see polspec.decoding.speculative_sampling
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,12 @@ class DecodingParams:
     many tokens the draft may propose: its most frequent on Polish text (``auto``: the draft's
     default, pruned only where its vocabulary is large; ``full``: all of them). ``temperature``
     0 is greedy. Target candidates per round are capped at ``2 * k_max + 2``.
+
+    ``verify`` says how a sampled round (``temperature`` > 0) accepts draft tokens: ``exact``
+    keeps a translated candidate only where the target samples the same token; ``tli`` is
+    speculative sampling over the two vocabularies' shared tokens (the draft samples, the
+    target accepts with probability min(1, p/q), see :mod:`polspec.decoding.speculative_sampling`);
+    ``auto`` is ``tli``. Greedy decoding always verifies by exact match with ``strategy``.
     """
 
     max_tokens: int = 128
@@ -42,6 +49,7 @@ class DecodingParams:
     confidence: float = 0.4
     k_max: int = 8
     draft_vocab: int | str = "auto"
+    verify: str = "auto"
 
     def __post_init__(self) -> None:
         # Values come from JSONL lines and TOML files too: a float k or a text seed is refused
@@ -81,6 +89,8 @@ class DecodingParams:
             raise PolspecError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise PolspecError(f"top_k must be 0 (off) or more, got {self.top_k}")
+        if self.verify not in VERIFY:
+            raise PolspecError(f"verify must be one of {', '.join(VERIFY)}, got {self.verify!r}")
         if not 0 < self.confidence < 1:
             raise PolspecError(f"confidence must be in (0, 1), got {self.confidence}")
 
@@ -92,6 +102,13 @@ class DecodingParams:
     def candidate_cap(self) -> int:
         """Most target candidates verified in one round: bounds the verification cost."""
         return 2 * (self.k if isinstance(self.k, int) else self.k_max) + 2
+
+    @property
+    def verification(self) -> str:
+        """How this sequence's rounds are verified: ``exact`` or ``tli`` (only when sampling)."""
+        if self.temperature == 0 or self.verify == "exact":
+            return "exact"
+        return "tli"
 
     def as_dict(self) -> dict:
         return asdict(self)

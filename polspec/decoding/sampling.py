@@ -17,29 +17,56 @@ from mlx_lm.sample_utils import apply_top_k, apply_top_p
 from polspec.decoding.params import DecodingParams
 
 
-def token_sampler(params: DecodingParams) -> Callable[[mx.array], mx.array]:
+def sampling_logprobs(logits: mx.array, params: DecodingParams) -> mx.array:
+    """Normalized log-probabilities ``(..., vocab)`` of the distribution a sampled decoder draws
+    from at ``params.temperature > 0``: top-p and top-k on the model's probabilities, then the
+    temperature. Speculative sampling needs this distribution itself, not just a draw from it."""
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    if params.top_p < 1:
+        logprobs = apply_top_p(logprobs, params.top_p)
+    if params.top_k > 0:
+        logprobs = apply_top_k(logprobs, params.top_k)
+    logprobs = logprobs * (1.0 / params.temperature)
+    return logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
+
+
+def sequence_seed(params: DecodingParams) -> int:
+    """The sequence's seed: ``params.seed``, or a random one when it is None."""
+    return params.seed if params.seed is not None else random.SystemRandom().getrandbits(63)
+
+
+def token_sampler(params: DecodingParams, seed: int | None = None) -> Callable[[mx.array], mx.array]:
     """A function from logits ``(..., vocab)`` to sampled token ids ``(...)``.
 
     Rows are sampled independently, which is what lossless verification needs: each
     candidate position draws its own token from the target's distribution there. Each call
-    splits the sampler's own key (``params.seed``, or a random one when the seed is None).
+    splits the sampler's own key (``seed``, default :func:`sequence_seed`).
     """
     if params.temperature == 0:
         return lambda logits: mx.argmax(logits, axis=-1)
-    filters = []
-    if params.top_p < 1:
-        filters.append(lambda logprobs: apply_top_p(logprobs, params.top_p))
-    if params.top_k > 0:
-        filters.append(lambda logprobs: apply_top_k(logprobs, params.top_k))
-    seed = params.seed if params.seed is not None else random.SystemRandom().getrandbits(63)
-    key = mx.random.key(seed)
+    key = mx.random.key(seed if seed is not None else sequence_seed(params))
 
     def sample(logits: mx.array) -> mx.array:
         nonlocal key
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        for keep_likely in filters:
-            logprobs = keep_likely(logprobs)
         key, draw = mx.random.split(key)
-        return mx.random.categorical(logprobs * (1.0 / params.temperature), key=draw)
+        return mx.random.categorical(sampling_logprobs(logits, params), key=draw)
 
     return sample
+
+
+def position_key(seed: int, position: int, purpose: int, step: int = 0) -> mx.array:
+    """A random key for one draw of a sequence, fixed by where it is drawn rather than by how
+    many draws came before: the ``step``-th draw for ``purpose`` when ``position`` tokens are
+    committed. The batched decoder may run a row through more or fewer draft steps than the
+    single-sequence decoder would, and the row must still draw what it would draw alone."""
+    mixed = seed & (2**64 - 1)
+    for value in (position, purpose, step):
+        mixed = _splitmix64(mixed ^ (value & (2**64 - 1)))
+    return mx.random.key(mixed >> 1)
+
+
+def _splitmix64(value: int) -> int:
+    value = (value + 0x9E3779B97F4A7C15) & (2**64 - 1)
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
+    return value ^ (value >> 31)

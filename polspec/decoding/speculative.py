@@ -13,12 +13,17 @@ One round:
 4. the target cache is trimmed to the committed length, and the draft is re-synced: the
    newly committed text is re-tokenized in the draft's tokenizer with a window of context,
    the draft cache is trimmed to the common prefix and the rest is fed next round.
+
+A sampled round can instead verify by speculative sampling (``params.verify``): the draft
+samples over the vocabulary the two tokenizers share, its tokens map one to one to target
+candidates, and the target accepts each with probability min(1, p/q)
+(:mod:`polspec.decoding.speculative_sampling`); steps 3 and 4 stay as they are.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from polspec import backend  # noqa: F401  (before mlx: the Linux BLAS fix)
 
@@ -31,12 +36,15 @@ from polspec.decoding.kv import PREFILL_STEP, cached_length, new_cache, prefill,
 from polspec.decoding.metrics import DecodeMetrics
 from polspec.decoding.params import DecodingParams
 from polspec.decoding.policy import DraftLength
-from polspec.decoding.sampling import token_sampler
+from polspec.decoding.sampling import sequence_seed, token_sampler
+from polspec.decoding.speculative_sampling import SharedDraft, shared_vocabulary, speculative_choices
 from polspec.decoding.translate import (
     TokenBytes, common_prefix, follow_text, token_bytes, translate_draft_to_target,
 )
 from polspec.models.loader import LoadedModel
 
+# A draft step's sampler: (logits, step) -> (the sampled logit index, the distribution drawn from).
+DraftDraw = Callable[[mx.array, int], tuple[mx.array, mx.array]]
 
 
 def _hf(loaded: LoadedModel):
@@ -119,14 +127,18 @@ class DraftSide:
         # The prompt is fed on the first proposal, not here: when the auto draft length starts
         # with plain target steps, a draft that never proposes costs nothing.
         self.text = DraftText(prompt, table)
+        self.probabilities: list[mx.array] = []  # what the last proposal was drawn from, under a draw
 
-    def propose(self, k: int, policy: DraftLength) -> list[int]:
-        """Up to ``k`` greedy draft tokens; the last one is not fed to the cache.
+    def propose(self, k: int, policy: DraftLength, draw: DraftDraw | None = None) -> list[int]:
+        """Up to ``k`` draft tokens, greedy or from ``draw``; the last one is not fed to the cache.
 
-        One host sync per round: the tokens stay lazy until the proposal is complete. The
-        confidence policy decides on each token while the next step already runs (one step
-        of lookahead), and takes that step back when it stops.
+        ``draw(logits, step)`` samples a logit index and gives the distribution it was drawn
+        from, kept in :attr:`probabilities` for verification (speculative sampling). One host
+        sync per round: the tokens stay lazy until the proposal is complete. The confidence
+        policy decides on each token while the next step already runs (one step of lookahead),
+        and takes that step back when it stops.
         """
+        self.probabilities = []
         if k == 0:
             return []
         text = self.text
@@ -136,10 +148,13 @@ class DraftSide:
         # The text committed since the last round goes in with the first draft step: one
         # forward and no host sync of its own.
         inputs = mx.array([text.sequence[text.fed:]])
-        proposal, unsure = [], None
-        for _ in range(k):
+        proposal, probabilities, unsure = [], [], None
+        for step in range(k):
             logits = self.head(inputs, self.cache)[0]
-            index = mx.argmax(logits)
+            if draw is None:
+                index = mx.argmax(logits)
+            else:
+                index, drawn_from = draw(logits, step)
             token = self.head.vocabulary_ids(index)
             inputs = token.reshape(1, 1)
             if policy.mode == "confidence":
@@ -149,10 +164,13 @@ class DraftSide:
                     break
                 unsure = policy.unsure(logits, index)
             proposal.append(token)
-        mx.eval(proposal)
+            if draw is not None:
+                probabilities.append(drawn_from)
+        mx.eval(proposal, probabilities)
         ids = [int(t.item()) for t in proposal]
         text.sequence = text.sequence + ids
         text.fed = cached_length(self.cache)
+        self.probabilities = probabilities
         return ids
 
     def resync(self, committed: list[int], committed_bytes: bytes) -> None:
@@ -172,14 +190,18 @@ def generate_speculative(
     """Yield committed target tokens round by round until EOS or ``params.max_tokens``.
 
     ``policy`` decides the draft length (default: from ``params``); a round with k = 0 is a
-    plain target step, and the draft catches up on the text when it next proposes.
+    plain target step, and the draft catches up on the text when it next proposes. Sampled
+    rounds verify as ``params.verification`` says: by exact match of translated candidates,
+    or by speculative sampling over the shared vocabulary (:mod:`polspec.decoding.speculative_sampling`).
     """
-    sample = token_sampler(params)
+    seed = sequence_seed(params)
+    sample = token_sampler(params, seed)
     eos = set(target.tokenizer.eos_token_ids)
     tables = translation_tables(target, draft)
     target_table = tables[1] if tables else None
     policy = policy or DraftLength(params)
     metrics.prompt_tokens = len(target_prompt)
+    metrics.verify = params.verification
 
     start = time.perf_counter()
     target_cache = new_cache(target.model, target.entry.alias)
@@ -187,6 +209,7 @@ def generate_speculative(
     head = draft_head(draft, params.draft_vocab)
     metrics.draft_vocab = head.size
     draft_side = DraftSide(draft, draft_prompt, tables and tables[0], head)
+    shared = SharedDraft(head, shared_vocabulary(target, draft), draft) if params.verification == "tli" else None
     metrics.prefill_s = time.perf_counter() - start
 
     committed: list[int] = []
@@ -194,23 +217,33 @@ def generate_speculative(
     while len(committed) < params.max_tokens:
         clock = time.perf_counter()
         k = min(policy.k, params.max_tokens - len(committed))
-        proposal = draft_side.propose(k, policy)
+        position = len(committed)
+        draw = shared and (lambda logits, step: shared.sample(logits, params, seed, position, step))
+        proposal = draft_side.propose(k, policy, draw)
         now = time.perf_counter()
         metrics.draft_s += now - clock
 
         clock = now
         metrics.plain_rounds += not proposal
-        candidates = translate_proposal(params, tables, proposal, target_prompt[-params.prefix - 8:] + committed,
-                                        draft_side.text.lag, metrics)
+        if shared is None:
+            candidates = translate_proposal(params, tables, proposal, target_prompt[-params.prefix - 8:] + committed,
+                                            draft_side.text.lag, metrics)
+        else:
+            candidates = shared.candidates(proposal)
         candidates = candidates[: params.max_tokens - len(committed)]
         now = time.perf_counter()
         metrics.translate_s += now - clock
 
         clock = now
         logits = target.model(mx.array([[pending] + candidates]), cache=target_cache)[0]
-        choices = sample(logits).tolist()
+        if shared is None:
+            choices = sample(logits).tolist()
+        else:
+            drawn_from = shared.in_target_space(draft_side.probabilities[: len(candidates)], logits.shape[-1]) \
+                if candidates else None
+            choices = speculative_choices(logits, candidates, drawn_from, params, seed, position).tolist()
         new, accepted, stopped = settle_round(candidates, choices, proposal, len(committed), params, eos, metrics,
-                                              policy, tables)
+                                              policy, tables if shared is None else None)
         trim(target_cache, len(candidates) - accepted)
         now = time.perf_counter()
         metrics.verify_s += now - clock

@@ -24,7 +24,7 @@ from polspec.models.registry import load_registry
 
 # Decoding parameters a line may set for itself; the rest are per batch.
 ITEM_PARAMS = ("max_tokens", "k", "strategy", "prefix", "partial_word", "temperature", "top_p", "top_k", "seed",
-               "draft_vocab")
+               "draft_vocab", "verify")
 ITEM_KEYS = ("id", "prompt", "messages", *ITEM_PARAMS)
 
 

@@ -15,6 +15,7 @@ other key may be left out and takes the default shown in the comment::
     temperature = 0.0
     partial_word = "verify"                     # or "hold" (aligned only; see polspec.decoding.translate)
     draft_vocab = "auto"                        # or "full", or a number of tokens (see polspec.decoding.draft_vocab)
+    verify = "auto"                             # sampled rounds: "tli", "exact" or "auto" (see polspec.decoding.speculative_sampling)
     seeds = [0]                                 # default [0]
     repeats = 1                                 # default 1
     batch = [1]                                 # items decoded together, default [1]; [1, 4, 8] measures throughput
@@ -47,7 +48,7 @@ from polspec.jobs.datasets import load_dataset
 from polspec.jobs.spec import GenerateSpec, ItemInput, check_models
 
 # Decoding parameters a sweep sets once for all its cells.
-SWEEP_PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "partial_word", "draft_vocab")
+SWEEP_PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "partial_word", "draft_vocab", "verify")
 SWEEP_KEYS = {"name", "target", "drafts", "strategies", "k", "prefix", "datasets", "limit", *SWEEP_PARAMS,
               "seeds", "repeats", "batch", "raw"}
 DATASET_KEYS = {"name", "limit"}

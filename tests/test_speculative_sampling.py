@@ -1,0 +1,112 @@
+"""Speculative sampling across tokenizers (TLI): the acceptance rule keeps the target's
+distribution exactly, the shared vocabulary maps tokens to their byte twins, and seeds give
+the same samples alone and in a batch. The chi-square tests through the decoders on real
+models are beside the other sampled-distribution tests (test_decoding, test_batch,
+test_draft_vocab)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from polspec.decoding import DecodingParams, generate
+from polspec.decoding.batch import stream_batch
+from polspec.decoding.sampling import sampling_logprobs
+from polspec.decoding.draft_vocab import draft_head
+from polspec.decoding.speculative_sampling import SharedDraft, shared_vocabulary, speculative_choices
+
+from decoding_checks import chi_square_critical
+
+DRAWS = 4000
+
+
+def first_token_fit(tokens: np.ndarray, p: np.ndarray) -> tuple[float, int]:
+    """Chi-square statistic and degrees of freedom of drawn tokens against the distribution ``p``."""
+    observed = np.bincount(tokens, minlength=len(p))
+    likely = p * len(tokens) >= 5
+    cells = [(observed[likely], len(tokens) * p[likely])]
+    rest = (observed[~likely].sum(), len(tokens) * p[~likely].sum())
+    statistic = float(((cells[0][0] - cells[0][1]) ** 2 / cells[0][1]).sum())
+    if rest[1] > 1e-9:
+        statistic += (rest[0] - rest[1]) ** 2 / rest[1]
+    return statistic, int(likely.sum()) - (0 if rest[1] > 1e-9 else 1)
+
+
+@pytest.mark.parametrize("temperature, top_p, top_k", [(0.7, 0.9, 0), (1.0, 1.0, 3)])
+def test_speculative_choices_commit_exactly_the_target_distribution(temperature, top_p, top_k):
+    """Many independent candidate positions in one call: each position's choice (the draft's
+    token where accepted, else a residual draw) must follow the sampler's ``p``, whatever the
+    draft's ``q``; and accepting everything the draft drew (the negative control) must not."""
+    params = DecodingParams(temperature=temperature, top_p=top_p, top_k=top_k)
+    target_logits = mx.array([[2.0, 1.5, 1.0, 0.4, 0.0, -0.5, -1.0, -3.0]])
+    p = np.exp(np.array(sampling_logprobs(target_logits, params)[0], dtype=np.float64))
+    q = np.array([0.05, 0.4, 0.1, 0.2, 0.05, 0.1, 0.05, 0.05])  # a draft that likes the wrong tokens
+    drafted = np.random.default_rng(0).choice(len(q), size=DRAWS, p=q)
+    logits = mx.repeat(target_logits, DRAWS + 1, axis=0)
+    draft_probabilities = mx.repeat(mx.array(q[None], dtype=mx.float32), DRAWS, axis=0)
+    choices = np.array(speculative_choices(logits, drafted.tolist(), draft_probabilities, params, seed=5, position=0))
+
+    statistic, df = first_token_fit(choices[:DRAWS], p)
+    assert statistic < chi_square_critical(df), (statistic, df, np.bincount(choices[:DRAWS]), p)
+    accepted = (choices[:DRAWS] == drafted).mean()
+    overlap = np.minimum(p, q).sum()  # the acceptance speculative sampling promises
+    assert abs(accepted - overlap) < 4 * np.sqrt(overlap * (1 - overlap) / DRAWS), (accepted, overlap)
+    assert 0 < p[choices[DRAWS]]  # the bonus token after the last candidate comes from p too
+
+    statistic, df = first_token_fit(drafted, p)
+    assert statistic > chi_square_critical(df), "the check cannot tell the draft's distribution from the target's"
+
+
+def test_draws_depend_on_seed_and_position_only():
+    params = DecodingParams(temperature=1.0)
+    logits = mx.zeros((3, 50))
+    q = mx.full((2, 50), 1 / 50)
+    same = [np.array(speculative_choices(logits, [1, 2], q, params, seed=3, position=7)) for _ in range(2)]
+    assert (same[0] == same[1]).all()
+    others = [np.array(speculative_choices(logits, [1, 2], q, params, seed=s, position=p)) for s, p in [(4, 7), (3, 8)]
+              for _ in range(4)]
+    assert any((other != same[0]).any() for other in others)
+
+
+@pytest.mark.slow
+def test_the_shared_vocabulary_maps_tokens_to_their_byte_twins(gemma3, smollm2):
+    shared = shared_vocabulary(gemma3, smollm2)
+    draft, target = smollm2.tokenizer._tokenizer, gemma3.tokenizer._tokenizer
+    for word in (" w", " na", ".", " i", " the"):
+        [draft_id], [target_id] = draft.encode(word, add_special_tokens=False), target.encode(word, add_special_tokens=False)
+        assert shared.to_target[draft_id] == target_id, word
+    assert shared.to_target[smollm2.tokenizer.eos_token_id] == gemma3.tokenizer.eos_token_id
+    assert 0.8 < shared.size / len(shared.to_target) < 1  # SmolLM2's tokens are mostly in Gemma-3's large vocabulary
+    # Every end-of-sequence token of the draft stands for the target's: q there is their sum.
+    draft_eos = sorted(set(smollm2.tokenizer.eos_token_ids))
+    head = draft_head(smollm2, "full")
+    sampler = SharedDraft(head, shared, smollm2)
+    q = mx.zeros(sampler.shared.size).at[mx.array(draft_eos)].add(1 / len(draft_eos))
+    in_target = np.array(sampler.in_target_space([q], 262_144)[0])
+    assert in_target[gemma3.tokenizer.eos_token_id] == pytest.approx(1.0) and in_target.sum() == pytest.approx(1.0)
+    identity = shared_vocabulary(gemma3, gemma3)
+    assert (identity.to_target == np.arange(len(identity.to_target))).all()
+
+
+@pytest.mark.slow
+def test_a_seed_gives_the_same_tli_samples_alone_and_in_any_batch(gemma3, smollm2):
+    prompt = "Stolicą Polski jest Warszawa, która"
+    params = DecodingParams(seed=11, max_tokens=8, temperature=0.7, k=2, verify="tli")
+    alone = generate(gemma3, smollm2, prompt, params, chat=False)
+    assert alone.metrics.verify == "tli" and alone.metrics.draft_tokens > 0
+    others = [("Kraków jest", DecodingParams(seed=1, max_tokens=5, temperature=1.0, k=3, verify="tli")),
+              ("W lesie rosną", DecodingParams(seed=2, max_tokens=9, temperature=0.8, k="confidence", verify="exact")),
+              ("Gdańsk", DecodingParams(seed=3, max_tokens=4, k=1))]
+    tokens: Counter = Counter()
+    batched: dict[int, list[int]] = {}
+    for event in stream_batch(gemma3, smollm2, [*others, (prompt, params)], max_batch=4, chat=False):
+        batched.setdefault(event.key, [])
+        if event.commit:
+            batched[event.key] += event.commit.tokens
+        if event.finished:
+            tokens[event.metrics.verify] += 1
+    assert batched[3] == alone.token_ids
+    assert tokens == {"tli": 2, "exact": 2}  # greedy rows verify by exact match
