@@ -120,6 +120,16 @@ def test_auto_never_explores_where_no_plausible_acceptance_pays():
     assert set(ks) == {0}
 
 
+def test_the_probe_states_the_shared_vocabulary_coverage_and_warns_below_four_fifths():
+    from polspec.cli.models import coverage_lines
+
+    assert coverage_lines(0.957) == [
+        "speculative sampling (tli): the draft can propose 95.7% of the target's tokens on Polish text"]
+    low = coverage_lines(0.62)
+    assert low[0].endswith("62.0% of the target's tokens on Polish text") and len(low) == 2
+    assert low[1] == "warning: acceptance when sampling is capped by it; --verify exact may do better"
+
+
 @pytest.mark.parametrize("stored", [
     f'{{"format": {PROBE_FORMAT}, "target": "t", "draft": "d", "c": 0.2, "rho": [1.0, 1.1',  # cut short mid-write
     f'{{"format": {PROBE_FORMAT}, "target": "t", "draft": "d", "c": 0.2, "tau": 0.0}}',  # no rho

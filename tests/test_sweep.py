@@ -105,6 +105,46 @@ def test_batch_sizes_are_a_grid_dimension_enqueued_chunk_by_chunk():
     assert len(plan.items) == 4 * 4
 
 
+def test_temperatures_and_verify_are_grid_dimensions_and_single_values_keep_the_old_keys():
+    grid = {"strategies": ["aligned"], "k": [2], "seeds": [0], "repeats": None,
+            "datasets": [{"name": "pl-short", "limit": 2}]}
+    plan = expand_sweep(config(**grid, temperatures=[0, 0.7], verify=["exact", "tli"]), "test.toml")
+    # Every temperature gets its own baseline; verify varies the speculative cells only.
+    assert [cell.key for cell in plan.cells] == [
+        "pl-short/baseline/s0/t0", "pl-short/smollm2-135m/aligned/k2/p5/vexact/s0/t0",
+        "pl-short/smollm2-135m/aligned/k2/p5/vtli/s0/t0",
+        "pl-short/baseline/s0/t0.7", "pl-short/smollm2-135m/aligned/k2/p5/vexact/s0/t0.7",
+        "pl-short/smollm2-135m/aligned/k2/p5/vtli/s0/t0.7"]
+    assert [(cell.config["temperature"], cell.config.get("verify")) for cell in plan.cells] == [
+        (0.0, None), (0.0, "exact"), (0.0, "tli"), (0.7, None), (0.7, "exact"), (0.7, "tli")]
+    assert [(cell.params.temperature, cell.params.verification) for cell in plan.cells[3:]] == [
+        (0.7, "exact"), (0.7, "exact"), (0.7, "tli")]
+    assert {(item.item.overrides["temperature"], item.item.overrides["verify"]) for item in plan.items
+            if item.cell == plan.cells[5].key} == {(0.7, "tli")}
+    assert len(plan.items) == 6 * 2
+
+    # Absent, scalar or single-valued, they leave the keys of older sweeps as they were.
+    old = [cell.key for cell in expand_sweep(config(**grid), "test.toml").cells]
+    assert old == ["pl-short/baseline/s0", "pl-short/smollm2-135m/aligned/k2/p5/s0"]
+    for verify, verification in (("tli", "tli"), (["exact"], "exact")):
+        plan = expand_sweep(config(**grid, temperature=0.7, verify=verify), "test.toml")
+        assert [cell.key for cell in plan.cells] == old
+        assert (plan.cells[1].config["temperature"], plan.cells[1].config["verify"]) == (0.7, verification)
+        assert plan.cells[1].params.verification == verification
+    # One listed temperature is a grid of one: its key says so.
+    assert [cell.key for cell in expand_sweep(config(**grid, temperatures=[1.0]), "test.toml").cells] == [
+        "pl-short/baseline/s0/t1", "pl-short/smollm2-135m/aligned/k2/p5/s0/t1"]
+
+
+def test_temperature_and_temperatures_together_is_one_line(tmp_path):
+    path = tmp_path / "both.toml"
+    path.write_text('target = "gemma3-270m"\ndrafts = ["smollm2-135m"]\ndatasets = ["pl-short"]\n'
+                    'temperature = 0.7\ntemperatures = [0.0, 0.7]\n')
+    result = CliRunner().invoke(main, ["enqueue", "sweep", "--config", str(path)])
+    assert result.exit_code == 1 and result.output.count("\n") == 1
+    assert f"{path}: give 'temperature' or 'temperatures', not both" in result.output
+
+
 @pytest.mark.parametrize(("changes", "message"), [
     ({"drafs": ["x"]}, "test.toml: unknown key 'drafs'"),
     ({"k": []}, "test.toml: 'k' must be a non-empty list"),
@@ -128,6 +168,12 @@ def test_batch_sizes_are_a_grid_dimension_enqueued_chunk_by_chunk():
     ({"datasets": ["pl-wiki", {"name": "pl-wiki", "limit": 5}]}, "test.toml: 'datasets' lists 'pl-wiki' twice"),
     ({"seeds": ["x"]}, "test.toml: seed must be a whole number, got 'x'"),
     ({"max_tokens": 2.5}, "test.toml: max_tokens must be a whole number, got 2.5"),
+    ({"temperatures": []}, "test.toml: 'temperatures' must be a non-empty list"),
+    ({"temperatures": [0.7, -0.1]}, "test.toml: 'temperatures' must list numbers of at least 0, got -0.1"),
+    ({"temperatures": ["hot"]}, "test.toml: 'temperatures' must list numbers of at least 0, got 'hot'"),
+    ({"temperatures": [0, 0.0]}, "test.toml: 'temperatures' lists a value twice"),
+    ({"verify": ["tli", "maybe"]}, "test.toml: verify must be one of auto, exact, tli, got 'maybe'"),
+    ({"verify": []}, "test.toml: 'verify' must be a non-empty list"),
 ])
 def test_bad_configs_name_the_key(changes, message):
     with pytest.raises(PolspecError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -429,3 +475,75 @@ def test_a_sweep_over_batch_sizes_decodes_each_cell_in_its_batches_and_reports_t
     report_rows = json.loads(output)["rows"]
     assert sorted(row["batch"] for row in report_rows) == [1, 3]
     assert all(row["aggregate_tokens_per_s"] > 0 and row["aggregate_speedup"] > 0 for row in report_rows)
+
+
+def test_the_report_pairs_each_temperature_with_its_own_baseline_and_shows_temperature_and_verify(env, tmp_path):
+    sweep_file = tmp_path / "sampled.toml"
+    sweep_file.write_text(SMALL.replace('strategies = ["aligned", "naive"]', 'strategies = ["aligned"]')
+                          + 'temperatures = [0.0, 0.7]\nverify = ["exact", "tli"]\n')
+    code, output = cli(env, "enqueue", "sweep", "--config", str(sweep_file), "--json")
+    assert code == 0, output
+    sweep = json.loads(output)["batch"]
+    rows = stored(env)
+    assert len(rows) == 2 * (1 + 2 * 2) * 2  # temperatures x (baseline + k x verify) x prompts
+
+    # Baselines differ by temperature as well as by prompt: pairing across temperatures shows.
+    base_speed = {("short-001", 0.0): 10.0, ("short-002", 0.0): 31.0, ("short-001", 0.7): 7.0, ("short-002", 0.7): 19.0}
+    engine = make_engine(env["POLSPEC_DB_URL"])
+    with session_scope(engine) as session:
+        for cell, item, _ in rows.values():
+            config = cell.config
+            factor = 1.0 if cell.baseline else sampled_factor_of(config)
+            result = hand_result(item.id, base_speed[item.prompt_key, config["temperature"]] * factor)
+            if not cell.baseline:  # tli accepts 3 of 4 draft tokens, exact 1 of 4
+                result.metrics = result.metrics | {"draft_tokens": 4, "draft_tokens_accepted": accepted_of(config)}
+            session.add(result)
+        session.execute(update(Item).values(status="done"))
+    engine.dispose()
+    code, output = cli(env, "report", str(sweep), "--format", "json")
+    assert code == 0, output
+    report = json.loads(output.splitlines()[0])
+    assert sorted((row["temperature"], row["verify"], row["k"]) for row in report["rows"]) == [
+        (temperature, verify, k) for temperature in (0.0, 0.7) for verify in ("exact", "tli") for k in ("1", "2")]
+    for row in report["rows"]:
+        factor = sampled_factor_of(row)
+        assert (row["speedup"], row["speedup_low"], row["speedup_high"]) == pytest.approx((factor, factor, factor))
+        assert row["acceptance_per_draft_token"] == accepted_of(row) / 4
+    code, output = cli(env, "report", str(sweep), "--plots", str(tmp_path / "plots"))
+    assert (tmp_path / "plots" / "speedup-by-k.png").read_bytes().startswith(b"\x89PNG")
+    assert "| draft | strategy | k | T | verify | prompts | accept/cand | accept/draft tok |" in output
+    assert "| smollm2-135m | aligned | 2 | 0.7 | tli | 2 | - | 75% |" in output
+    assert "Rows at temperature 0.7 sample with the verify of their row" in output
+
+
+def sampled_factor_of(config: dict) -> float:
+    """The made-up speedup of a sampled sweep's cell (or report row) in the test above."""
+    return 1 + int(config["k"]) / 10 + (0.5 if config["verify"] == "tli" else 0.0) + config["temperature"]
+
+
+def accepted_of(config: dict) -> int:
+    return 3 if config["verify"] == "tli" else 1
+
+
+def test_cells_of_sweeps_from_before_temperature_grids_count_at_the_sweeps_temperature(env, tmp_path):
+    sweep_file = tmp_path / "old.toml"
+    sweep_file.write_text(SMALL + 'temperature = 0.7\nverify = "exact"\n')
+    code, output = cli(env, "enqueue", "sweep", "--config", str(sweep_file), "--json")
+    assert code == 0, output
+    rows = stored(env)
+    assert not any("/t" in cell.key or "/v" in cell.key for cell, _, _ in rows.values())
+    engine = make_engine(env["POLSPEC_DB_URL"])
+    with session_scope(engine) as session:
+        for cell in session.scalars(select(Cell)):  # as an older sweep wrote them
+            cell.config = {key: value for key, value in cell.config.items()
+                           if key not in ("temperature", "verify", "batch")}
+        for cell, item, _ in rows.values():
+            session.add(hand_result(item.id, 10.0 * (1.0 if cell.baseline else factor_of(cell.config))))
+        session.execute(update(Item).values(status="done"))
+    engine.dispose()
+    code, output = cli(env, "report", str(json.loads(output)["batch"]), "--format", "json")
+    report = json.loads(output.splitlines()[0])
+    assert len(report["rows"]) == 4
+    for row in report["rows"]:
+        assert (row["temperature"], row["verify"], row["batch"]) == (0.7, "exact", 1)
+        assert row["speedup"] == pytest.approx(factor_of(row))

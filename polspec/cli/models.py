@@ -13,6 +13,10 @@ from polspec.cli.progress import progress_bar
 from polspec.errors import PolspecError
 from polspec.models.registry import ModelEntry, TokenizerEntry, load_registry
 
+# Below this share of the target's Polish tokens, speculative sampling's acceptance is visibly
+# capped by what the draft cannot propose.
+LOW_COVERAGE = 0.8
+
 
 @click.group()
 def models() -> None:
@@ -161,7 +165,8 @@ def probe(target: str, draft: str, repeats: int, as_json: bool) -> None:
     needs to beat target-only decoding. The batch table repeats the forwards over B = 1, 2,
     4, 8, 16 sequences at once: batched speculation must beat batched plain decoding, and
     its break-even acceptance rises with B as the spare compute per weight read runs out. `--k auto` uses the stored probe (and measures one on
-    first use).
+    first use). Last, the share of the target's tokens on Polish text that the draft can propose
+    under speculative sampling (`--verify tli`), which caps its acceptance when sampling.
 
     \b
     Example:
@@ -170,14 +175,16 @@ def probe(target: str, draft: str, repeats: int, as_json: bool) -> None:
     from polspec.decoding.costmodel import break_even_acceptance, predicted_speedup
     from polspec.decoding.measure import measure_probe
     from polspec.decoding.probe_files import probe_path, save_probe
+    from polspec.decoding.speculative_sampling import polish_coverage
     from polspec.models.loader import load_model
 
     with progress_bar("loading") as report:
         target_model, draft_model = load_model(target, progress=report), load_model(draft, progress=report)
     result = measure_probe(target_model, draft_model, repeats=repeats)
     save_probe(result)
+    coverage = polish_coverage(target_model, draft_model)
     if as_json:
-        click.echo(json.dumps(result.as_dict()))
+        click.echo(json.dumps(result.as_dict() | {"polish_coverage": coverage}))
         return
     click.echo(f"{target} with draft {draft} on {result.machine['key']}: target step {result.target_step_s * 1e3:.1f} ms, "
                f"draft step {result.draft_step_s * 1e3:.1f} ms, c = {result.c:.3f}, tau = {result.tau:.3f}")
@@ -202,4 +209,15 @@ def probe(target: str, draft: str, repeats: int, as_json: bool) -> None:
                                 *("never" if even is None else f"{even:.0%}" for even in evens),
                                 f"{predicted_speedup(at, 0.6, best):.2f}x (k={best})")
         output_console().print(batch_table)
+    for line in coverage_lines(coverage):
+        click.echo(line)
     click.echo(f"stored in {probe_path(target, draft)}")
+
+
+def coverage_lines(coverage: float) -> list[str]:
+    """What the probe says about a pair's shared-vocabulary ``coverage`` (a share in [0, 1]),
+    with a warning where it is low enough to cap acceptance when sampling."""
+    lines = [f"speculative sampling (tli): the draft can propose {coverage:.1%} of the target's tokens on Polish text"]
+    if coverage < LOW_COVERAGE:
+        lines.append("warning: acceptance when sampling is capped by it; --verify exact may do better")
+    return lines

@@ -13,9 +13,10 @@ import click
 @click.option("--output", type=click.Path(dir_okay=False, path_type=Path), help="Write the report here.")
 @click.option("--plots", type=click.Path(file_okay=False, path_type=Path), help="Write PNG plots into this directory.")
 def report(sweep_id: int, fmt: str, output: Path | None, plots: Path | None) -> None:
-    """Per dataset, draft, strategy and k: acceptance, tokens per round, tokens/s, speedup over the
-    paired target-only baseline (95% interval over prompts), J/token, translation overhead, and
-    the cost model's predicted speedup and break-even acceptance.
+    """Per dataset, draft, strategy and k (and temperature and verify where the sweep varies
+    them): acceptance per candidate and per draft token, tokens per round, tokens/s, speedup over
+    the paired target-only baseline at the same temperature (95% interval over prompts), J/token,
+    translation overhead, and the cost model's predicted speedup and break-even acceptance.
 
     \b
     Examples:

@@ -12,18 +12,22 @@ other key may be left out and takes the default shown in the comment::
     datasets = ["pl-wiki", "pl-instruct", { name = "pl-short", limit = 10 }]
     limit = 20                                  # items per dataset unless the dataset says otherwise
     max_tokens = 64
-    temperature = 0.0
+    temperatures = [0.0, 0.7]                   # a grid; or `temperature = 0.7` for every cell (not both); default 0.0
     partial_word = "verify"                     # or "hold" (aligned only; see polspec.decoding.translate)
     draft_vocab = "auto"                        # or "full", or a number of tokens (see polspec.decoding.draft_vocab)
-    verify = "auto"                             # sampled rounds: "tli", "exact" or "auto" (see polspec.decoding.speculative_sampling)
+    verify = ["exact", "tli"]                   # sampled rounds: "tli", "exact", "auto" or a list of them; default "auto"
+                                                # (see polspec.decoding.speculative_sampling; speculative cells only)
     seeds = [0]                                 # default [0]
     repeats = 1                                 # default 1
     batch = [1]                                 # items decoded together, default [1]; [1, 4, 8] measures throughput
     raw = true                                  # continue text instead of the chat templates
 
-A *cell* is one configuration (dataset, draft, strategy, k, prefix, seed, batch); every
-dataset, seed and batch size also gets a target-only *baseline* cell. An *item* is one prompt
-in one cell (and one repeat). Items are enqueued prompt by prompt: the baseline item of a
+A *cell* is one configuration (dataset, draft, strategy, k, prefix, verify, seed, temperature,
+batch); every dataset, seed, temperature and batch size also gets a target-only *baseline* cell
+(verification is speculative only). A cell's key names its grid point, with ``/t{temperature}``
+only when the file lists ``temperatures`` and ``/v{verify}`` only when ``verify`` lists more than
+one value, so that sweeps written before those keys keep their cell keys and still resume. An
+*item* is one prompt in one cell (and one repeat). Items are enqueued prompt by prompt: the baseline item of a
 prompt, then every speculative cell's item for the same prompt, so that machine drift (thermal
 throttling, other load) hits baseline and speculation alike, and the target and drafts stay
 resident throughout. With batch sizes above 1 they go chunk by chunk instead, a chunk being as
@@ -50,7 +54,9 @@ from polspec.jobs.spec import GenerateSpec, ItemInput, check_models
 # Decoding parameters a sweep sets once for all its cells.
 SWEEP_PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "partial_word", "draft_vocab", "verify")
 SWEEP_KEYS = {"name", "target", "drafts", "strategies", "k", "prefix", "datasets", "limit", *SWEEP_PARAMS,
-              "seeds", "repeats", "batch", "raw"}
+              "temperatures", "seeds", "repeats", "batch", "raw"}
+# Decoding parameters that may also be a grid dimension: every cell is given its own value.
+GRID_PARAMS = ("temperature", "verify")
 DATASET_KEYS = {"name", "limit"}
 GRID_KEYS = ("drafts", "strategies", "k", "prefix", "datasets", "seeds", "batch")
 # What a sweep file may leave out takes the command line's defaults, which are DecodingParams's
@@ -112,10 +118,11 @@ def expand_sweep(config: dict[str, Any], source: str) -> SweepPlan:
         raise PolspecError(f"{source}: 'target' must name the target model")
     grid = {key: _list(config, key, source) for key in GRID_KEYS if key != "datasets"}
     datasets = _datasets(config, source)
+    temperatures, verifies = _temperatures(config, source), _verifies(config, source)
     repeats = _at_least_one(config.get("repeats", 1), "'repeats'", source)
     for size in grid["batch"]:
         _at_least_one(size, "every 'batch' size", source)
-    base = _params(config, source)
+    base = _params(config, source, temperature=temperatures[0], verify=verifies[0])
     raw = config.get("raw", False)
     if not isinstance(raw, bool):
         raise PolspecError(f"{source}: 'raw' must be true or false")
@@ -131,19 +138,24 @@ def expand_sweep(config: dict[str, Any], source: str) -> SweepPlan:
 
     plan = SweepPlan(config.get("name") or _default_name(config), spec, dict(config))
     per_dataset: dict[str, list[CellPlan]] = {}
-    for (dataset, _), seed, batch in product(datasets, grid["seeds"], grid["batch"]):
-        # Batch 1 keeps the cell keys sweeps had before batching, so that they still resume.
+    for (dataset, _), seed, temperature, batch in product(datasets, grid["seeds"], temperatures, grid["batch"]):
+        # Batch 1, a scalar temperature and a single verify keep the cell keys of older sweeps,
+        # so that they still resume.
         size = "" if batch == 1 else f"/b{batch}"
-        baseline = CellPlan(f"{dataset}/baseline/s{seed}{size}",
-                            {"dataset": dataset, "draft": None, "seed": seed, "batch": batch}, True,
-                            _params(config, source, seed=seed))
+        heat = f"/t{_number(temperature)}" if "temperatures" in config else ""
+        sampled = {"seed": seed, "temperature": temperature}
+        baseline = CellPlan(f"{dataset}/baseline/s{seed}{heat}{size}",
+                            {"dataset": dataset, "draft": None, **sampled, "batch": batch}, True,
+                            _params(config, source, **sampled, verify=verifies[0]))
         cells = [baseline]
-        for draft, strategy, k, prefix in product(grid["drafts"], grid["strategies"], grid["k"], grid["prefix"]):
+        for draft, strategy, k, prefix, verify in product(grid["drafts"], grid["strategies"], grid["k"],
+                                                          grid["prefix"], verifies):
+            check = f"/v{verify}" if len(verifies) > 1 else ""
             cells.append(CellPlan(
-                f"{dataset}/{draft}/{strategy}/k{k}/p{prefix}/s{seed}{size}",
-                {"dataset": dataset, "draft": draft, "strategy": strategy, "k": k, "prefix": prefix, "seed": seed,
-                 "batch": batch},
-                False, _params(config, source, k=k, strategy=strategy, prefix=prefix, seed=seed)))
+                f"{dataset}/{draft}/{strategy}/k{k}/p{prefix}{check}/s{seed}{heat}{size}",
+                {"dataset": dataset, "draft": draft, "strategy": strategy, "k": k, "prefix": prefix,
+                 "verify": verify, **sampled, "batch": batch},
+                False, _params(config, source, k=k, strategy=strategy, prefix=prefix, verify=verify, **sampled)))
         per_dataset.setdefault(dataset, []).extend(cells)
         plan.cells.extend(cells)
     chunk = max(grid["batch"])
@@ -169,6 +181,34 @@ def _list(config: dict[str, Any], key: str, source: str) -> list:
     if len(set(map(str, values))) != len(values):
         raise PolspecError(f"{source}: '{key}' lists a value twice")
     return values
+
+
+def _temperatures(config: dict[str, Any], source: str) -> list[float]:
+    """The sweep's temperatures: the ``temperatures`` list, else the one ``temperature`` (or the default)."""
+    if "temperatures" not in config:
+        return [config.get("temperature", _DEFAULT.temperature)]
+    if "temperature" in config:
+        raise PolspecError(f"{source}: give 'temperature' or 'temperatures', not both")
+    values = _list(config, "temperatures", source)
+    for value in values:
+        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+            raise PolspecError(f"{source}: 'temperatures' must list numbers of at least 0, got {value!r}")
+    if len(set(map(float, values))) != len(values):  # 0 and 0.0 are one temperature
+        raise PolspecError(f"{source}: 'temperatures' lists a value twice")
+    return [float(value) for value in values]
+
+
+def _verifies(config: dict[str, Any], source: str) -> list:
+    """The sweep's verification settings: ``verify`` as a list, or one value (older files) as a
+    list of one; DecodingParams checks each value."""
+    if isinstance(config.get("verify"), list):
+        return _list(config, "verify", source)
+    return [config.get("verify", _DEFAULT.verify)]
+
+
+def _number(value: float) -> str:
+    """A temperature in a cell key: ``0``, ``1``, ``0.7`` (distinct temperatures, distinct text)."""
+    return str(int(value)) if value.is_integer() else repr(value)
 
 
 def _at_least_one(value: object, where: str, source: str) -> int | None:
@@ -197,7 +237,8 @@ def _datasets(config: dict[str, Any], source: str) -> list[tuple[str, int | None
 
 
 def _params(config: dict[str, Any], source: str, **grid_point) -> DecodingParams:
-    options = {key: config[key] for key in SWEEP_PARAMS if key in config}
+    """The decoding parameters of one grid point; ``grid_point`` gives every GRID_PARAMS value."""
+    options = {key: config[key] for key in SWEEP_PARAMS if key in config and key not in GRID_PARAMS}
     try:
         return DecodingParams(**options, **grid_point)
     except (PolspecError, TypeError) as error:

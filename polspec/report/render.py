@@ -31,19 +31,24 @@ def _speedup(row: Row) -> str:
     return f"{row.speedup:.2f}x ({row.speedup_low:.2f}-{row.speedup_high:.2f})"
 
 
+def _cell(row: Row) -> str:
+    """A row in words: draft, strategy, k, and temperature and verify when it samples."""
+    sampling = f" T={row.temperature:g} verify={row.verify}" if row.temperature else ""
+    return f"{row.draft} {row.strategy} k={row.k}{sampling}"
+
+
 def _headline(headline: Headline) -> str:
     parts = []
     if (best := headline.best) is not None:
-        parts.append(f"fastest: {best.draft} {best.strategy} k={best.k} at {_speedup(best)}")
+        parts.append(f"fastest: {_cell(best)} at {_speedup(best)}")
     if headline.auto_vs_best:
         lowest = min(headline.auto_vs_best, key=headline.auto_vs_best.get)
         ratios = headline.auto_vs_best.values()
         parts.append(f"auto at {min(ratios):.2f}-{max(ratios):.2f} of the best fixed k of its draft and strategy "
                      f"(lowest: {lowest})")
     if (worst := headline.worst_prediction) is not None:
-        parts.append(f"predictions for k <= 3 within {headline.prediction_error:.0%} (largest miss: {worst.draft} "
-                     f"{worst.strategy} k={worst.k}, {worst.predicted_speedup:.2f}x predicted, "
-                     f"{worst.speedup:.2f}x measured)")
+        parts.append(f"predictions for k <= 3 within {headline.prediction_error:.0%} (largest miss: {_cell(worst)}, "
+                     f"{worst.predicted_speedup:.2f}x predicted, {worst.speedup:.2f}x measured)")
     return f"- **{headline.dataset}**: " + ("; ".join(parts) if parts else "no cell has a paired baseline yet") + "."
 
 
@@ -70,15 +75,23 @@ def markdown(report: SweepReport) -> str:
         lines += ["Batch B is how many of a cell's items decoded together; aggregate tok/s counts every token "
                   "of the cell over the wall time its items were decoding, and aggregate speedup divides it by "
                   "the target-only baseline's at the same B: the gain of a bulk run.", ""]
+    lines += _sampling_note(report)
+    # Temperature and verify get columns only where the sweep varied them: older reports keep their tables.
+    sampling = [(heading, value) for heading, value, varied in (
+        ("T", lambda row: f"{row.temperature:g}", len(report.temperatures) > 1),
+        ("verify", lambda row: row.verify, len(report.verifies) > 1)) if varied]
+    sampled = "".join(f" {heading} |" for heading, _ in sampling)
     batched = " B | agg tok/s | agg speedup |" if report.batched else ""
     for dataset in sorted({row.dataset for row in report.rows}):
         lines += [f"## {dataset}", "",
-                  "| draft | strategy | k | prompts | accept/cand | accept/draft tok | tok/round | tok/s | "
+                  f"| draft | strategy | k |{sampled} prompts | accept/cand | accept/draft tok | tok/round | tok/s | "
                   "speedup (95% CI) | predicted | break-even | J/tok | translate/verify |" + batched,
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * batched.count("|")]
+                  "|---" * (13 + len(sampling) + batched.count("|")) + "|"]
         for row in (r for r in report.rows if r.dataset == dataset):
+            values = "".join(f" {value(row)} |" for _, value in sampling)
             lines.append(
-                f"| {row.draft} | {row.strategy} | {row.k} | {row.prompts} | {_fmt(row.acceptance_per_candidate, '{:.0%}')} | "
+                f"| {row.draft} | {row.strategy} | {row.k} |{values} {row.prompts} | "
+                f"{_fmt(row.acceptance_per_candidate, '{:.0%}')} | "
                 f"{_fmt(row.acceptance_per_draft_token, '{:.0%}')} | {_fmt(row.tokens_per_round)} | "
                 f"{_fmt(row.tokens_per_s, '{:.1f}')} | {_speedup(row)} | {_fmt(row.predicted_speedup, '{:.2f}x')} | "
                 f"{_break_even(row)} | {_fmt(row.joules_per_token, '{:.3f}')} | "
@@ -87,6 +100,18 @@ def markdown(report: SweepReport) -> str:
                    f"{_fmt(row.aggregate_speedup, '{:.2f}x')} |" if report.batched else ""))
         lines.append("")
     return "\n".join(lines)
+
+
+def _sampling_note(report: SweepReport) -> list[str]:
+    """How the sampled rows verify, where any row samples (temperature > 0); none for a greedy sweep."""
+    sampled = [temperature for temperature in report.temperatures if temperature]
+    if not sampled:
+        return []
+    where = f"at temperature {sampled[0]:g}" if len(sampled) == 1 else "at temperatures above 0"
+    how = f"verify {report.verifies[0]}" if len(report.verifies) == 1 else "the verify of their row"
+    return [f"Rows {where} sample with {how} (auto is tli: speculative sampling over the shared vocabulary; "
+            "exact keeps a candidate only where the target samples the same token), so acceptance per draft "
+            "token is the number verification changes; greedy rows always verify by exact match.", ""]
 
 
 def csv_text(report: SweepReport) -> str:

@@ -1,4 +1,5 @@
-"""A sweep's numbers, one row per dataset, draft, strategy, k, prefix and batch size.
+"""A sweep's numbers, one row per dataset, draft, strategy, k, prefix, batch size, temperature
+and verification.
 
 Every row is computed from the stored results alone (plus this machine's probe for the
 break-even acceptance, and for predicting results that recorded no probe), so a report can be
@@ -6,8 +7,9 @@ regenerated at any time:
 
 - acceptance per candidate (accepted / verified) and per draft token, committed tokens per round;
 - tokens/s (median over generations) and the speedup against the *paired* baseline: for every
-  prompt, seed and repeat the speculative tokens/s over the baseline's tokens/s on the same
-  prompt, seed and repeat; averaged per prompt, then over prompts with a 95% t-interval;
+  prompt, seed, temperature and repeat the speculative tokens/s over the baseline's tokens/s on
+  the same prompt, seed, temperature and repeat; averaged per prompt, then over prompts with a
+  95% t-interval (cells of sweeps from before temperature grids count at the sweep's temperature);
 - aggregate throughput (every token of the cell over the wall time its items were decoding,
   so items decoded together add up) and its ratio to the target-only baseline at the same
   batch size: what a bulk run gains from speculation at that batch size;
@@ -49,13 +51,28 @@ _T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2
 
 class Pair(NamedTuple):
     """Where a result sits in its sweep, short of the configuration under test: a speculative
-    result is compared with the baseline result of an equal pair. Read from the item's columns."""
+    result is compared with the baseline result of an equal pair. Read from the item's columns
+    and its cell's configuration."""
 
     dataset: str
     seed: int
     batch: int
     prompt_key: str
     repeat: int
+    temperature: float = 0.0
+
+
+class CellKey(NamedTuple):
+    """What makes a report row: a speculative cell's grid point short of its seed."""
+
+    dataset: str
+    draft: str
+    strategy: str
+    k: str
+    prefix: int
+    batch: int
+    temperature: float = 0.0
+    verify: str = "auto"
 
 
 @dataclass
@@ -82,11 +99,20 @@ class Row:
     predicted_speedup: float | None
     break_even_acceptance: float | None
     never_pays: bool = False  # this machine's probe says no acceptance makes the cell's k pay
+    temperature: float = 0.0
+    verify: str = "auto"  # the cell's setting; greedy rounds verify by exact match whatever it says
+
+    @property
+    def sampling(self) -> str:
+        """Temperature and verify when sampling (``/t0.7/vtli``), empty when greedy: greedy cells
+        decode alike whatever their verify says."""
+        return f"/t{self.temperature:g}/v{self.verify}" if self.temperature else ""
 
     @property
     def pair(self) -> str:
-        """Draft and strategy (and batch size, above 1): the cells whose k are compared."""
-        return f"{self.draft}/{self.strategy}" + (f"/b{self.batch}" if self.batch != 1 else "")
+        """Draft and strategy (with the sampling, and the batch size above 1): the cells whose k
+        are compared."""
+        return f"{self.draft}/{self.strategy}{self.sampling}" + (f"/b{self.batch}" if self.batch != 1 else "")
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -134,6 +160,16 @@ class SweepReport:
         return any(row.batch != 1 for row in self.rows)
 
     @property
+    def temperatures(self) -> list[float]:
+        """The temperatures the rows decoded at, in order."""
+        return sorted({row.temperature for row in self.rows})
+
+    @property
+    def verifies(self) -> list[str]:
+        """The verify settings of the rows, in order."""
+        return sorted({row.verify for row in self.rows})
+
+    @property
     def headlines(self) -> list[Headline]:
         return [headline(dataset, [row for row in self.rows if row.dataset == dataset])
                 for dataset in sorted({row.dataset for row in self.rows})]
@@ -171,21 +207,23 @@ def sweep_report(engine: Engine, batch_id: int) -> SweepReport:
             raise PolspecError(f"no sweep {batch_id} (polspec status lists batches and sweeps)")
         rows = session.execute(select(Cell, Item, Result).join(Item, Item.cell_id == Cell.id)
                                .join(Result, Result.item_id == Item.id).where(Cell.batch_id == batch_id)).all()
-        name, target, status = batch.name, batch.spec["target"], batch.status
+        name, target, status, spec = batch.name, batch.spec["target"], batch.status, batch.spec
         counts = dict(session.execute(select(Item.status, func.count()).where(Item.batch_id == batch_id)
                                       .group_by(Item.status)).all())
+    scalar = _sweep_params(spec)
     baseline: dict[Pair, float] = {}
     baseline_runs: dict[Pair, tuple] = {}
     speculative_runs: list[tuple[Pair, tuple]] = []
-    groups: dict[tuple, list[tuple[Pair, Result]]] = defaultdict(list)
+    groups: dict[CellKey, list[tuple[Pair, Result]]] = defaultdict(list)
     spans: dict[tuple, list[tuple[Any, Any, int]]] = defaultdict(list)  # per cell: (start, end, tokens)
     for cell, item, result in rows:
         run = (item.worker_host, item.worker_pid)
-        config = cell.config
-        batch_size = config.get("batch", 1)  # sweeps from before batching ran every item alone
-        pair = Pair(config["dataset"], config["seed"], batch_size, item.prompt_key, item.repeat)
-        key = (config["dataset"], config["draft"], config["strategy"], str(config["k"]), config["prefix"],
-               batch_size) if not cell.baseline else (config["dataset"], None, batch_size)
+        config = scalar | cell.config  # cells of older sweeps lack the keys they did not vary
+        batch_size, temperature = config["batch"], float(config["temperature"])
+        pair = Pair(config["dataset"], config["seed"], batch_size, item.prompt_key, item.repeat, temperature)
+        key = (CellKey(config["dataset"], config["draft"], config["strategy"], str(config["k"]), config["prefix"],
+                       batch_size, temperature, config["verify"])
+               if not cell.baseline else (config["dataset"], None, batch_size, temperature))
         if item.started_at is not None and item.finished_at is not None:
             spans[key].append((item.started_at, item.finished_at, result.generated_tokens))
         if cell.baseline:
@@ -194,14 +232,21 @@ def sweep_report(engine: Engine, batch_id: int) -> SweepReport:
             speculative_runs.append((pair, run))
             groups[key].append((pair, result))
     aggregate = {key: _aggregate(members) for key, members in spans.items()}
-    probes = {draft: load_probe(target, draft) for draft in {key[1] for key in groups}}
-    report_rows = [cell_row(key, members, baseline, probes[key[1]], aggregate.get(key),
-                            aggregate.get((key[0], None, key[5])))
+    probes = {draft: load_probe(target, draft) for draft in {key.draft for key in groups}}
+    report_rows = [cell_row(key, members, baseline, probes[key.draft], aggregate.get(key),
+                            aggregate.get((key.dataset, None, key.batch, key.temperature)))
                    for key, members in sorted(groups.items())]
     missing = sorted(draft for draft, found in probes.items() if found is None)
     return SweepReport(batch_id, name, target, status, counts.get(Status.DONE, 0), sum(counts.values()),
                        report_rows, probes, missing,
                        sum(1 for pair, run in speculative_runs if baseline_runs.get(pair, run) != run))
+
+
+def _sweep_params(spec: dict[str, Any]) -> dict[str, Any]:
+    """What a cell's configuration means where it leaves a key out (sweeps from before batching,
+    temperature grids or verification): the sweep's one value, else the default."""
+    params = spec.get("params", {})
+    return {"batch": 1, "temperature": params.get("temperature", 0.0), "verify": params.get("verify", "auto")}
 
 
 def _aggregate(spans: list[tuple[Any, Any, int]]) -> float | None:
@@ -212,10 +257,11 @@ def _aggregate(spans: list[tuple[Any, Any, int]]) -> float | None:
 
 def cell_row(key: tuple, members: list[tuple[Pair, Result]], baseline: dict[Pair, float], probe: Probe | None,
              aggregate: float | None = None, baseline_aggregate: float | None = None) -> Row:
-    """The row of ``key`` (dataset, draft, strategy, k, prefix, batch) from its results, each
-    with its pair, the baseline tokens/s of each pair, and the aggregate throughput of the cell
-    and of its batch size's baseline."""
-    dataset, draft, strategy, k, prefix, batch = key
+    """The row of ``key`` (a CellKey, or a tuple of its fields) from its results, each with its
+    pair, the baseline tokens/s of each pair, and the aggregate throughput of the cell and of
+    its batch size's and temperature's baseline."""
+    key = CellKey(*key)
+    dataset, draft, strategy, k, prefix, batch = key[:6]
     metrics = [result.metrics for _, result in members]
 
     def total(name: str) -> float:
@@ -248,6 +294,7 @@ def cell_row(key: tuple, members: list[tuple[Pair, Result]], baseline: dict[Pair
         aggregate / baseline_aggregate if aggregate and baseline_aggregate else None, joules,
         total("translate_s") / total("verify_s") if total("verify_s") else None,
         predicted_speedup_of_cell(k, members, probe), even, probe is not None and bool(k_used) and even is None,
+        key.temperature, key.verify,
     )
 
 
