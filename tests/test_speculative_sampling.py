@@ -87,6 +87,14 @@ def test_the_shared_vocabulary_maps_tokens_to_their_byte_twins(gemma3, smollm2):
     q = mx.zeros(sampler.shared.size).at[mx.array(draft_eos)].add(1 / len(draft_eos))
     in_target = np.array(sampler.in_target_space([q], 262_144)[0])
     assert in_target[gemma3.tokenizer.eos_token_id] == pytest.approx(1.0) and in_target.sum() == pytest.approx(1.0)
+    # Gemma-3's one-token words that SmolLM2 splits propose SmolLM2's first token of them, and end the proposal.
+    reverse = shared_vocabulary(smollm2, gemma3)
+    [polska] = target.encode(" Polska", add_special_tokens=False)
+    pieces = draft.encode(" Polska", add_special_tokens=False)
+    assert len(pieces) > 1 and reverse.to_target[polska] == pieces[0] and not reverse.twin[polska]
+    [w] = target.encode(" w", add_special_tokens=False)
+    proposer = SharedDraft(draft_head(gemma3, "full"), reverse, gemma3)
+    assert proposer.candidates([w, polska, w]) == [draft.encode(" w", add_special_tokens=False)[0], pieces[0]]
     identity = shared_vocabulary(gemma3, gemma3)
     assert (identity.to_target == np.arange(len(identity.to_target))).all()
 

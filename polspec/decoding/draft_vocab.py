@@ -73,9 +73,17 @@ def token_ranking(loaded: LoadedModel) -> list[int]:
 
 
 def _rank(tokenizer) -> list[int]:
+    weights = polish_token_weights(tokenizer)
+    vocabulary = len(tokenizer)
+    return sorted(range(vocabulary), key=lambda token: (-weights.get(token, 0.0), token))[:RANKED]
+
+
+def polish_token_weights(tokenizer, words: int | None = None) -> dict[int, float]:
+    """How much each token of ``tokenizer`` is used on Polish text: the summed frequency of the
+    shipped words (the ``words`` most frequent, default all) whose tokens include it, plus the symbols."""
     weights: dict[int, float] = defaultdict(float)
     texts, text_weights = [], []
-    for word, frequency in polish_words():
+    for word, frequency in polish_words()[:words]:
         texts += [f" {word}", f" {word[:1].upper()}{word[1:]}"]
         text_weights += [frequency, frequency * CAPITALIZED_WEIGHT]
     top = max(text_weights)
@@ -85,8 +93,7 @@ def _rank(tokenizer) -> list[int]:
     for ids, weight in zip(encoded, text_weights):
         for token in ids:
             weights[token] += weight
-    vocabulary = len(tokenizer)
-    return sorted(range(vocabulary), key=lambda token: (-weights.get(token, 0.0), token))[:RANKED]
+    return weights
 
 
 def draft_vocab_size(loaded: LoadedModel, setting: int | str) -> int | None:

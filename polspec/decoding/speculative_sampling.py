@@ -10,12 +10,16 @@ probability ``sum_x min(p(x), q(x))``.
 
 Across vocabularies ``q`` must be a distribution over target tokens. TLI (Timor et al., ICML
 2025, arXiv 2502.05202; transformers' ``UniversalSpeculativeDecodingGenerator``) restricts the
-draft to the tokens whose bytes are one target token too (the *shared vocabulary*: a
-SentencePiece ``▁kot`` and a byte-level ``Ġkot`` are both `` kot``; the draft's end of
-sequence stands for the target's), renormalizes, and maps each proposed draft token to its
-target twin, one to one. No re-tokenization: candidates are the twins themselves, which the
-target may score although it would have split the text otherwise; lossless all the same,
-since the rule above holds for any ``q`` that depends only on the committed text.
+draft to the tokens whose bytes are one target token too (their *twins*: a SentencePiece
+``▁kot`` and a byte-level ``Ġkot`` are both `` kot``; the draft's end of sequence stands for
+the target's), renormalizes, and maps each proposed draft token to its twin. polspec keeps
+the mass TLI drops: a draft token whose text is several target tokens (Gemma-3's
+`` przepływa``, Qwen2.5's `` prz`` ``ep`` ``ły`` ``wa``) proposes the first of them, so ``q`` of
+a target token is the draft's probability of every token that starts with it; the proposal
+ends there, as the draft has seen more text than the candidate holds. No re-tokenization:
+candidates are the mapped tokens themselves, which the target may score although it would
+have split the text otherwise; lossless all the same, since the rule above holds for any
+``q`` that depends only on the committed text.
 
 ``p`` and ``q`` are both the sampler's distribution (:func:`~polspec.decoding.sampling.sampling_logprobs`:
 top-p, top-k, temperature), ``q`` over the shared vocabulary of the draft's output layer
@@ -35,6 +39,7 @@ import mlx.core as mx
 import numpy as np
 
 from polspec.decoding.draft_head import DraftHead, vocabulary_size
+from polspec.decoding.draft_vocab import draft_head, polish_token_weights
 from polspec.decoding.params import DecodingParams
 from polspec.decoding.sampling import position_key, sampling_logprobs
 from polspec.decoding.translate import TokenBytes, token_bytes
@@ -46,17 +51,20 @@ _DRAFT, _ACCEPT = 1, 2
 
 @dataclass(frozen=True)
 class SharedVocabulary:
-    """The draft tokens with a target twin: ``to_target[d]`` is the target id of draft token
-    ``d``, or -1 where the target has no single token with the same bytes. Where several target
-    tokens have the same bytes (a SentencePiece byte piece ``<0x41>`` beside ``A``), the twin is
-    the one the target's tokenizer produces for them. Several draft tokens may share a twin
-    (two end-of-sequence tokens): the twin's ``q`` is then the sum of theirs."""
+    """The target token each draft token proposes: ``to_target[d]`` is draft token ``d``'s twin
+    (the target token with the same bytes; ``twin[d]``), else the target's first token of its
+    text, else -1 (the draft never proposes it: a special token, part of a character). Where
+    several target tokens have the same bytes (a SentencePiece byte piece ``<0x41>`` beside
+    ``A``), the twin is the one the target's tokenizer produces for them. Several draft tokens
+    map to one target token (`` prz`` and `` przepływa``): its ``q`` is the sum of theirs."""
 
     to_target: np.ndarray  # int64 [draft vocabulary]
     target_vocabulary: int
+    twin: np.ndarray  # bool [draft vocabulary]: the draft token's text is exactly its target token's
 
     @property
     def size(self) -> int:
+        """Draft tokens that propose a target token."""
         return int((self.to_target >= 0).sum())
 
 
@@ -67,7 +75,7 @@ def shared_vocabulary(target: LoadedModel, draft: LoadedModel) -> SharedVocabula
         size = len(draft_tokenizer)
         to_target = np.arange(size)
         to_target[to_target >= len(target_tokenizer)] = -1
-        return SharedVocabulary(to_target, len(target_tokenizer))
+        return SharedVocabulary(to_target, len(target_tokenizer), to_target >= 0)
     return _byte_twins(draft_tokenizer, target_tokenizer, tuple(draft.tokenizer.eos_token_ids),
                        target.tokenizer.eos_token_id)
 
@@ -77,9 +85,33 @@ def _byte_twins(draft_tokenizer, target_tokenizer, draft_eos: tuple[int, ...], t
     draft_table, target_table = token_bytes(draft_tokenizer), token_bytes(target_tokenizer)
     target_ids = _canonical_ids(target_table)
     to_target = np.array([target_ids.get(raw, -1) if raw else -1 for raw in draft_table.raw])
+    twin = to_target >= 0
+    to_target[~twin] = _first_target_tokens(draft_table, target_table, np.flatnonzero(~twin))
     if target_eos is not None:
-        to_target[[eos for eos in draft_eos if eos < len(to_target)]] = target_eos
-    return SharedVocabulary(to_target, len(target_table.raw))
+        ends = [eos for eos in draft_eos if eos < len(to_target)]
+        to_target[ends], twin[ends] = target_eos, True
+    return SharedVocabulary(to_target, len(target_table.raw), twin)
+
+
+def _first_target_tokens(draft: TokenBytes, target: TokenBytes, tokens: np.ndarray) -> np.ndarray:
+    """For draft tokens without a twin, the target's first token of their text where it is a
+    proper prefix of it (`` przepływa`` in Qwen2.5's tokens is `` prz``, ``ep``, ...), else -1."""
+    texts, which = [], []
+    for token in tokens.tolist():
+        raw = draft.raw[token]
+        try:
+            texts.append(raw.decode("utf-8"))
+        except (AttributeError, UnicodeDecodeError):  # special, or part of a character
+            continue
+        which.append(token)
+    first = np.full(len(tokens), -1)
+    position = {token: index for index, token in enumerate(tokens.tolist())}
+    encoded = target.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+    for token, text, ids in zip(which, texts, encoded):
+        head = target.raw[ids[0]] if ids else None
+        if head and text.encode().startswith(head):
+            first[position[token]] = ids[0]
+    return first
 
 
 def _canonical_ids(table: TokenBytes) -> dict[bytes, int]:
@@ -105,7 +137,8 @@ def _canonical_ids(table: TokenBytes) -> dict[bytes, int]:
 
 class SharedDraft:
     """A draft output layer (:class:`DraftHead`) proposing under TLI: it samples from its
-    distribution restricted to the shared vocabulary and maps what it samples to target ids."""
+    distribution restricted to the tokens that propose a target token (see
+    :class:`SharedVocabulary`) and maps what it samples to target ids."""
 
     def __init__(self, head: DraftHead, shared: SharedVocabulary, draft: LoadedModel):
         width = head.size if head.size is not None else vocabulary_size(draft.model)
@@ -114,6 +147,8 @@ class SharedDraft:
         targets = to_target[np.array(head.keep)] if head.keep is not None else to_target[:width]
         self.head = head
         self.to_target = to_target  # by draft token id
+        self.twin = np.zeros(len(to_target), bool)
+        self.twin[: len(shared.twin)] = shared.twin
         self.shared = mx.array(targets >= 0)  # by logit index
         # Where each logit index's probability lands in the target's vocabulary (added up where
         # indices share a twin); an index with no twin adds its probability (zero: it is
@@ -124,20 +159,39 @@ class SharedDraft:
     def sample(self, logits: mx.array, params: DecodingParams, seed: int, position: int, step: int
                ) -> tuple[mx.array, mx.array]:
         """The logit index of a draft token sampled from ``logits`` (one row) restricted to the
-        shared vocabulary, and that distribution ``q`` over the logit indices; both lazy."""
+        tokens that propose a target token, and that distribution over the logit indices; both lazy."""
         logprobs = sampling_logprobs(mx.where(self.shared, logits, -mx.inf), params)
         index = mx.random.categorical(logprobs, key=position_key(seed, position, _DRAFT, step))
         return index, mx.exp(logprobs)
 
     def candidates(self, proposal: list[int]) -> list[int]:
-        """The target twins of proposed draft token ids."""
-        return [int(self.to_target[token]) for token in proposal]
+        """The target tokens that proposed draft token ids stand for, up to and including the
+        first that is not a twin (the draft's later tokens follow text the candidates lack)."""
+        found = []
+        for token in proposal:
+            found.append(int(self.to_target[token]))
+            if not self.twin[token]:
+                break
+        return found
 
     def in_target_space(self, probabilities: list[mx.array], width: int) -> mx.array:
         """Draft distributions over logit indices as distributions over the target's ``width``
         ids: each twin gets the probability of every draft token that maps to it."""
         rows = mx.stack(probabilities)
         return mx.zeros((rows.shape[0], width)).at[:, self.scatter].add(rows)
+
+
+def polish_coverage(target: LoadedModel, draft: LoadedModel, draft_vocab: int | str = "auto",
+                    words: int = 5_000) -> float:
+    """The share of the target's tokens on Polish text (its tokens of the ``words`` most frequent
+    shipped words, by frequency) that the draft can propose under TLI: those with a twin in the
+    draft's output layer under ``draft_vocab``. Speculative sampling can accept no other token,
+    so a low share caps its acceptance for the pair."""
+    head = draft_head(draft, draft_vocab)
+    sampler = SharedDraft(head, shared_vocabulary(target, draft), draft)
+    proposable = set(sampler.to_target[np.array(head.keep) if head.keep is not None else slice(None)].tolist())
+    weights = polish_token_weights(target.tokenizer._tokenizer, words)
+    return sum(w for token, w in weights.items() if token in proposable) / sum(weights.values())
 
 
 def speculative_choices(logits: mx.array, candidates: list[int], draft_probabilities: mx.array | None,
