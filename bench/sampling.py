@@ -4,7 +4,7 @@
     .venv/bin/python bench/sampling.py --target qwen2.5-coder-1.5b --drafts gemma3-270m,smollm2-135m \\
         --datasets pl-wiki,pl-instruct,pl-struct --prompts 4 --max-tokens 24
 
-For each draft and dataset, every prompt is decoded in turn (so machine drift hits all alike):
+For each draft and dataset, every prompt is decoded as raw text (as bench/decode.py does), in turn (so machine drift hits all alike):
 target-only sampling, speculative with exact-match verification and with speculative sampling
 (the same seed, temperature and k), and greedy speculative for the pair's greedy acceptance.
 Reports per configuration the tokens/s ratio against target-only sampling (median with
@@ -65,14 +65,14 @@ def main() -> None:
             ratios: dict[str, list[float]] = {"exact": [], "tli": []}
             metrics: dict[str, list[DecodeMetrics]] = {"exact": [], "tli": [], "greedy": []}
             for seed, item in enumerate(items):
-                prompt = item.prompt if item.prompt is not None else item.messages
+                prompt = item.prompt
                 sampled = DecodingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=seed, k=k)
-                base = generate(target, None, prompt, sampled)
+                base = generate(target, None, prompt, sampled, chat=False)
                 for verify in ("exact", "tli"):
-                    spec = generate(target, draft, prompt, DecodingParams(**{**sampled.as_dict(), "verify": verify}))
+                    spec = generate(target, draft, prompt, DecodingParams(**{**sampled.as_dict(), "verify": verify}), chat=False)
                     ratios[verify].append(spec.metrics.decode_tokens_per_s / base.metrics.decode_tokens_per_s)
                     metrics[verify].append(spec.metrics)
-                greedy = generate(target, draft, prompt, DecodingParams(max_tokens=args.max_tokens, k=k))
+                greedy = generate(target, draft, prompt, DecodingParams(max_tokens=args.max_tokens, k=k), chat=False)
                 metrics["greedy"].append(greedy.metrics)
             greedy_acceptance = acceptance(metrics["greedy"])
             for verify in ("exact", "tli"):

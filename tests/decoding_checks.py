@@ -10,6 +10,7 @@ from collections import Counter
 import mlx.core as mx
 import numpy as np
 
+from polspec.decoding.batch import stream_batch
 from polspec.decoding.params import DecodingParams
 from polspec.decoding.run import encode_prompt
 from polspec.decoding.sampling import sampling_logprobs
@@ -86,3 +87,18 @@ def goodness_of_fit(sequences: list[list[int]], bins: dict[tuple, float]) -> tup
     if rest[1] > 1e-9:
         cells.append(rest)
     return sum((o - e) ** 2 / e for o, e in cells), len(cells) - 1
+
+
+def sampled_sequences(target, draft, prompt: str, params: list[DecodingParams], max_batch: int = 16,
+                      metrics: list | None = None) -> list[list[int]]:
+    """Each request's committed ids, decoded ``max_batch`` at a time by the batched decoder:
+    many seeded samples at the cost of a few. (The single-sequence decoder draws what a row of
+    a batch draws with the same seed, as test_batch and test_speculative_sampling check.)
+    Each finished sequence's metrics go to ``metrics`` when given."""
+    sequences: list[list[int]] = [[] for _ in params]
+    for event in stream_batch(target, draft, [(prompt, p) for p in params], max_batch=max_batch, chat=False):
+        if event.commit:
+            sequences[event.key] += event.commit.tokens
+        if event.finished and metrics is not None:
+            metrics.append(event.metrics)
+    return sequences

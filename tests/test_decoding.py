@@ -19,7 +19,7 @@ from polspec.decoding.translate import STRATEGIES, token_bytes
 from polspec.errors import PolspecError
 
 from decoding_checks import (
-    SAMPLED_PROMPT, assert_same_or_float_tie, chi_square_critical, goodness_of_fit, two_token_bins,
+    SAMPLED_PROMPT, assert_same_or_float_tie, chi_square_critical, goodness_of_fit, sampled_sequences, two_token_bins,
 )
 
 PROMPTS = [
@@ -122,7 +122,7 @@ def test_exact_match_sampling_keeps_the_target_distribution(gemma3, smollm2):
     samples = 80
     bins = two_token_bins(gemma3, SAMPLED_PROMPT, 1.0, samples)
     params = [DecodingParams(seed=s, max_tokens=2, temperature=1.0, k=2, verify="exact") for s in range(samples)]
-    speculative = [generate(gemma3, smollm2, SAMPLED_PROMPT, p, chat=False).token_ids for p in params]
+    speculative = sampled_sequences(gemma3, smollm2, SAMPLED_PROMPT, params)
     statistic, df = goodness_of_fit(speculative, bins)
     assert df >= 3, f"too few likely sequences to test the distribution: {bins}"
     assert statistic < chi_square_critical(df), (statistic, df, Counter(map(tuple, speculative)).most_common(5))
@@ -133,8 +133,8 @@ def test_the_chi_square_check_detects_a_different_distribution(gemma3):
     """The distribution test can fail: samples at temperature 0.5 against the exact temperature-1 joint."""
     samples = 50
     bins = two_token_bins(gemma3, SAMPLED_PROMPT, 1.0, samples)
-    cold = [generate(gemma3, None, SAMPLED_PROMPT, DecodingParams(seed=s, max_tokens=2, temperature=0.5), chat=False).token_ids
-            for s in range(samples)]
+    cold = sampled_sequences(gemma3, None, SAMPLED_PROMPT,
+                             [DecodingParams(seed=s, max_tokens=2, temperature=0.5) for s in range(samples)])
     statistic, df = goodness_of_fit(cold, bins)
     assert statistic > chi_square_critical(df), (statistic, df)
 

@@ -171,3 +171,28 @@ def test_hard_inputs_are_lossless(request, baseline, pair):
         assert_lossless(target, prompt, False, baseline(target, prompt, False, max_tokens), run.tokens)
         accepted += run.metrics.candidates_accepted
     assert accepted > 0
+
+
+@pytest.mark.parametrize("pair", ["smollm2>twin", "gemma3>smollm2"])
+def test_one_token_is_the_target_first_choice(request, baseline, pair):
+    """max_tokens = 1: the round is cut to one token whatever the draft proposed."""
+    target_name, draft_name = pair.split(">")
+    target, draft = request.getfixturevalue(target_name), request.getfixturevalue(draft_name)
+    for prompt in (INPUTS["mid-word"], INPUTS["emoji and flags"]):
+        run = speculate(target, draft, prompt, DecodingParams(max_tokens=1, k=3), chat=False)
+        assert run.tokens == baseline(target, prompt, False, 1) and len(run.tokens) == 1
+        assert run.metrics.finish_reason == "length" and run.metrics.rounds == 1
+
+
+def test_speculative_sampling_through_the_twin_pair_accepts_nearly_everything(smollm2, twin):
+    """The twin drafts with the target's own distribution (q = p on every token it maps), so
+    speculative sampling accepts every candidate up to float rounding: a wrong mapping between
+    the vocabularies, or p and q computed differently, would show as rejections."""
+    metrics = DecodeMetrics()
+    for seed, prompt in enumerate((INPUTS["mid-word"], INPUTS["trailing whitespace"])):
+        run = speculate(smollm2, twin, prompt, DecodingParams(max_tokens=MAX_TOKENS, k=3, temperature=0.8, seed=seed,
+                                                              verify="tli"), chat=False)
+        assert run.metrics.verify == "tli"
+        metrics.candidates += run.metrics.candidates
+        metrics.candidates_accepted += run.metrics.candidates_accepted
+    assert metrics.acceptance_per_candidate > 0.95, (metrics.candidates_accepted, metrics.candidates)
