@@ -279,8 +279,10 @@ def test_small_sweep_runs_resumes_and_reports_numbers_recomputable_by_hand(env, 
 
 def report_row(draft: str, strategy: str, k: str, speedup: float | None, predicted: float | None = None,
                batch: int = 1) -> Row:
-    return Row("pl-wiki", draft, strategy, k, 5, batch, 20, None, None, None, None, None, speedup, None, None, None,
-               None, None, None, predicted, None)
+    empty = dict.fromkeys(["acceptance_per_candidate", "acceptance_per_draft_token", "tokens_per_round", "tokens_per_s",
+                           "baseline_tokens_per_s", "speedup_low", "speedup_high", "aggregate_tokens_per_s",
+                           "aggregate_speedup", "joules_per_token", "translation_overhead", "break_even_acceptance"])
+    return Row("pl-wiki", draft, strategy, k, 5, batch, prompts=20, speedup=speedup, predicted_speedup=predicted, **empty)
 
 
 def test_headline_picks_the_fastest_cell_compares_auto_per_pair_and_finds_the_worst_prediction():

@@ -62,7 +62,8 @@ class Pair(NamedTuple):
     temperature: float = 0.0
 
 
-class CellKey(NamedTuple):
+@dataclass(frozen=True, order=True)
+class CellKey:
     """What makes a report row: a speculative cell's grid point short of its seed."""
 
     dataset: str
@@ -72,17 +73,13 @@ class CellKey(NamedTuple):
     prefix: int
     batch: int
     temperature: float = 0.0
-    verify: str = "auto"
+    verify: str = "auto"  # the cell's setting; greedy rounds verify by exact match whatever it says
 
 
-@dataclass
-class Row:
-    dataset: str
-    draft: str
-    strategy: str
-    k: str
-    prefix: int
-    batch: int
+@dataclass(frozen=True, kw_only=True)
+class Row(CellKey):
+    """One cell's numbers, after its grid point."""
+
     prompts: int
     acceptance_per_candidate: float | None
     acceptance_per_draft_token: float | None
@@ -99,8 +96,6 @@ class Row:
     predicted_speedup: float | None
     break_even_acceptance: float | None
     never_pays: bool = False  # this machine's probe says no acceptance makes the cell's k pay
-    temperature: float = 0.0
-    verify: str = "auto"  # the cell's setting; greedy rounds verify by exact match whatever it says
 
     @property
     def sampling(self) -> str:
@@ -260,8 +255,7 @@ def cell_row(key: tuple, members: list[tuple[Pair, Result]], baseline: dict[Pair
     """The row of ``key`` (a CellKey, or a tuple of its fields) from its results, each with its
     pair, the baseline tokens/s of each pair, and the aggregate throughput of the cell and of
     its batch size's and temperature's baseline."""
-    key = CellKey(*key)
-    dataset, draft, strategy, k, prefix, batch = key[:6]
+    key = key if isinstance(key, CellKey) else CellKey(*key)
     metrics = [result.metrics for _, result in members]
 
     def total(name: str) -> float:
@@ -281,20 +275,22 @@ def cell_row(key: tuple, members: list[tuple[Pair, Result]], baseline: dict[Pair
               if energies and all(e is not None for e in energies) and total("generated_tokens") else None)
     accepted = total("candidates_accepted")
     ratio = _candidates_per_draft_token(metrics)
-    k_used = _k_used(k, metrics)
+    k_used = _k_used(key.k, metrics)
     even = break_even_acceptance(probe, k_used, ratio) if probe is not None and k_used else None
     return Row(
-        dataset, draft, strategy, k, prefix, batch, len({pair.prompt_key for pair, _ in members}),
-        accepted / total("candidates") if total("candidates") else None,
-        total("draft_tokens_accepted") / total("draft_tokens") if total("draft_tokens") else None,
-        total("generated_tokens") / total("rounds") if total("rounds") else None,
-        statistics.median(result.decode_tokens_per_s for _, result in members),
-        statistics.median(base_speeds) if base_speeds else None,
-        speedup, low, high, aggregate,
-        aggregate / baseline_aggregate if aggregate and baseline_aggregate else None, joules,
-        total("translate_s") / total("verify_s") if total("verify_s") else None,
-        predicted_speedup_of_cell(k, members, probe), even, probe is not None and bool(k_used) and even is None,
-        key.temperature, key.verify,
+        **vars(key),
+        prompts=len({pair.prompt_key for pair, _ in members}),
+        acceptance_per_candidate=accepted / total("candidates") if total("candidates") else None,
+        acceptance_per_draft_token=total("draft_tokens_accepted") / total("draft_tokens") if total("draft_tokens") else None,
+        tokens_per_round=total("generated_tokens") / total("rounds") if total("rounds") else None,
+        tokens_per_s=statistics.median(result.decode_tokens_per_s for _, result in members),
+        baseline_tokens_per_s=statistics.median(base_speeds) if base_speeds else None,
+        speedup=speedup, speedup_low=low, speedup_high=high, aggregate_tokens_per_s=aggregate,
+        aggregate_speedup=aggregate / baseline_aggregate if aggregate and baseline_aggregate else None,
+        joules_per_token=joules,
+        translation_overhead=total("translate_s") / total("verify_s") if total("verify_s") else None,
+        predicted_speedup=predicted_speedup_of_cell(key.k, members, probe), break_even_acceptance=even,
+        never_pays=probe is not None and bool(k_used) and even is None,
     )
 
 
