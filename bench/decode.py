@@ -29,6 +29,7 @@ from polspec.models.tokenizers import load_tokenizer
 from polspec.report.summary import mean_interval
 
 FIDELITY_PAIRS = [
+    ("gemma3-270m", "smollm2-135m"), ("gemma3-270m", "qwen2.5-coder-1.5b"),
     ("tok:mistral-32k", "qwen2.5-coder-1.5b"), ("tok:mistral-32k", "tok:llama3"),
     ("tok:mistral-32k", "smollm2-135m"), ("tok:mistral-32k", "gemma3-270m"),
     ("qwen2.5-coder-1.5b", "smollm2-135m"), ("qwen2.5-coder-1.5b", "gemma3-270m"),

@@ -15,7 +15,8 @@ from polspec.models.tokenizers import load_tokenizer
 
 FAMILIES = ["tok:mistral-32k", "tok:llama3", "qwen2.5-coder-1.5b", "smollm2-135m", "gemma3-270m"]
 PAIRS = [("tok:mistral-32k", draft) for draft in ("qwen2.5-coder-1.5b", "tok:llama3", "smollm2-135m", "gemma3-270m")] + [
-    ("qwen2.5-coder-1.5b", "smollm2-135m"), ("qwen2.5-coder-1.5b", "gemma3-270m")]
+    ("qwen2.5-coder-1.5b", "smollm2-135m"), ("qwen2.5-coder-1.5b", "gemma3-270m"),
+    ("gemma3-270m", "smollm2-135m"), ("gemma3-270m", "qwen2.5-coder-1.5b")]
 POLISH = "aąbcćdeęfghijklłmnńoóprsśtuwyzźżAĄCĆEĘLŁNŃOÓSŚZŹŻ ,.;:!?-„”0123456789\n"
 
 
@@ -81,6 +82,21 @@ def test_hold_leaves_an_unfinished_word_for_the_next_round(tables, target):
     assert table.text(hold.candidates) == b" stare" and hold.held_back == len(b" mias")
 
 
+@pytest.mark.parametrize("target", ["gemma3-270m", "qwen2.5-coder-1.5b"])
+@pytest.mark.parametrize("ending", ["\n\n", ". "])
+def test_verify_proposes_trailing_whitespace_hold_leaves_it(tables, target, ending):
+    """A paragraph break is a token of its own on both targets (and Gemma-3 spells the space
+    before a digit alone): ``verify`` proposes it, ``hold`` leaves it for the next round."""
+    table, smollm2 = tables[target], tables["smollm2-135m"]
+    _, committed = extend_tokens(table, [], "Fryderyk Chopin urodził się".encode(), 8)
+    proposal = smollm2.encode(f" w Polsce{ending}".encode())
+    verify, hold = (translate_draft_to_target("aligned", smollm2, table, proposal, committed, 5, 10, partial_word=mode)
+                    for mode in ("verify", "hold"))
+    assert table.text(verify.candidates) == f" w Polsce{ending}".encode() and verify.held_back == 0
+    assert table.text(hold.candidates) == f" w Polsce{ending.rstrip()}".encode()
+    assert hold.held_back == len(ending) - len(ending.rstrip())
+
+
 def test_encode_after_reports_a_token_across_the_boundary(tables):
     qwen = tables["qwen2.5-coder-1.5b"]
     assert encode_after(qwen, " Kra".encode(), "ków jest".encode()) is None  # " Krak" is one token
@@ -93,7 +109,7 @@ def test_encode_after_reports_a_token_across_the_boundary(tables):
 def test_oracle_fidelity_of_aligned(tables, target, draft, k):
     """A perfect draft keeps at least 97% of its candidates through aligned translation when
     unfinished words are held back, strictly more than through the study's context rule and
-    naive translation; verifying them instead commits as many tokens per round as context."""
+    naive translation; verifying them instead commits at least as many tokens per round as context."""
     texts = polish_texts()
 
     def fidelity(strategy: str, partial_word: str = "verify") -> Fidelity:
@@ -105,6 +121,5 @@ def test_oracle_fidelity_of_aligned(tables, target, draft, k):
     assert hold.acceptance > context.acceptance
     assert hold.acceptance > naive.acceptance
     assert hold.tokens_per_round > 1.5
-    assert verify.acceptance >= context.acceptance
-    assert verify.tokens_per_round >= 0.98 * context.tokens_per_round
+    assert verify.tokens_per_round >= context.tokens_per_round
     assert verify.tokens_per_round > hold.tokens_per_round

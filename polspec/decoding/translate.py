@@ -236,7 +236,8 @@ def translate_draft_to_target(
 
 
 # Letters a word could go on with, to probe whether its last token would re-merge.
-_PROBES = tuple(s.encode() for s in ("a", "e", "i", "o", "y", "ą", "ę", "ó", "ch", "cz", "sz", "rz", "n", "m", "k", "ł", "ś", "ż", "w"))
+_PROBES = tuple(s.encode() for s in ("a", "e", "i", "o", "y", "ą", "ę", "ó", "ch", "cz", "sz", "rz", "n", "m", "k", "ł", "ś", "ż", "w",
+                                    "c", "ć", "j", "r", "s", "t", "z"))
 
 
 def _stable_length(target: TokenBytes, context: bytes, text: bytes, candidates: list[int]) -> int:
@@ -266,7 +267,10 @@ def _aligned(draft, target, text_ids, ended, committed, prefix, cap, lag, hold) 
         return Translation([eos] if eos is not None else [])
     complete = complete_utf8(proposal)
     finished = ended and complete == proposal
-    whole = complete if finished else complete.rstrip()  # a space belongs to the token of the word after it
+    # Trailing whitespace may merge into the next word's token (a space, in both families) or
+    # stand alone (a newline, a space before digits): ``verify`` proposes it as tentative,
+    # which never costs a committed token; ``hold`` leaves it for the next round.
+    whole = complete if finished or not hold else complete.rstrip()
     if not whole:
         return Translation([], held_back=len(proposal))
     window = [t for t in committed[window_start(target, committed, prefix):] if not target.is_special(t)]
