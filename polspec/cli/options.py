@@ -39,8 +39,9 @@ _OPTIONS = [
                  help="How draft tokens become target tokens when the tokenizers differ."),
     click.option("--prefix", default=5, show_default=True, type=int, help="Committed target tokens of context for translation."),
     click.option("--partial-word", default="verify", show_default=True, type=click.Choice(PARTIAL_WORD),
-                 help="aligned only: verify the tokens of a word the draft stopped inside (one more position in "
-                      "the same forward), or hold them for the next round (fewer rejected candidates)."),
+                 help="aligned only: verify the tokens of a word (or trailing whitespace) the draft stopped inside "
+                      "(one more position in the same forward), or hold them for the next round (fewer rejected "
+                      "candidates)."),
     click.option("--draft-vocab", default="auto", show_default=True,
                  type=NumberOrName(DRAFT_VOCAB, "a number of tokens"),
                  help="Tokens the draft may propose: its N most frequent on Polish text (a cheaper draft step, "

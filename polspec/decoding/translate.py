@@ -12,11 +12,11 @@ Strategies for turning a draft's proposal into target candidates (``STRATEGIES``
 - ``naive``: decode the chunk, encode it;
 - ``context``: the study's rule: decode the last ``p`` committed target tokens plus the chunk,
   encode, strip ``p`` tokens by count, unchecked;
-- ``aligned`` (default): raw bytes of the chunk, cut to whole UTF-8 characters and without a
-  trailing space (it belongs to the next word's token), encoded after a window of committed
-  target text and aligned by bytes rather than by count. When the chunk stops inside a word,
-  the tokens that the word's continuation could re-merge are *tentative*: the decoder
-  verifies them (``partial_word="verify"``) or leaves them for the next round (``"hold"``).
+- ``aligned`` (default): raw bytes of the chunk, cut to whole UTF-8 characters, encoded after
+  a window of committed target text and aligned by bytes rather than by count. When the chunk
+  stops inside a word or after whitespace, the tokens that the continuation could re-merge
+  are *tentative*: the decoder verifies them (``partial_word="verify"``) or leaves them for
+  the next round (``"hold"``).
   A round whose window re-encodes to different ids is a boundary miss.
 """
 
