@@ -22,7 +22,7 @@ from polspec.errors import PolspecError
 from polspec.jobs.spec import ITEM_PARAMS
 from polspec.jobs.sweep import expand_sweep, load_sweep
 from polspec.report.render import markdown
-from polspec.report.summary import Pair, Row, SweepReport, cell_row, predicted_speedup_of_cell
+from polspec.report.summary import CellKey, Pair, Row, SweepReport, cell_row, predicted_speedup_of_cell
 from polspec.report.summary import headline as summary_headline
 from polspec.store.engine import make_engine, session_scope
 from polspec.store.schema import Cell, Item, Result
@@ -315,7 +315,7 @@ def test_repeats_of_a_prompt_are_averaged_before_the_interval_over_prompts():
     members = [(Pair("pl-wiki", 0, 1, "a", 0), result(2.0)), (Pair("pl-wiki", 0, 1, "a", 1), result(4.0)),
                (Pair("pl-wiki", 0, 1, "b", 0), result(2.0)), (Pair("pl-wiki", 0, 1, "b", 1), result(2.0))]
     baseline = {pair: 2.0 for pair, _ in members}
-    row = cell_row(("pl-wiki", "gemma3-270m", "aligned", "2", 5, 1), members, baseline, None)
+    row = cell_row(CellKey("pl-wiki", "gemma3-270m", "aligned", "2", 5, 1), members, baseline, None)
     per_prompt = [1.5, 1.0]  # a: (1 + 2) / 2, b: (1 + 1) / 2
     half = 12.706 * statistics.stdev(per_prompt) / 2 ** 0.5  # t(0.975, 1 degree of freedom)
     assert row.prompts == 2

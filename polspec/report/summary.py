@@ -250,12 +250,11 @@ def _aggregate(spans: list[tuple[Any, Any, int]]) -> float | None:
     return sum(tokens for _, _, tokens in spans) / busy if busy > 0 else None
 
 
-def cell_row(key: tuple, members: list[tuple[Pair, Result]], baseline: dict[Pair, float], probe: Probe | None,
+def cell_row(key: CellKey, members: list[tuple[Pair, Result]], baseline: dict[Pair, float], probe: Probe | None,
              aggregate: float | None = None, baseline_aggregate: float | None = None) -> Row:
-    """The row of ``key`` (a CellKey, or a tuple of its fields) from its results, each with its
-    pair, the baseline tokens/s of each pair, and the aggregate throughput of the cell and of
-    its batch size's and temperature's baseline."""
-    key = key if isinstance(key, CellKey) else CellKey(*key)
+    """The row of ``key`` from its results, each with its pair, the baseline tokens/s of each
+    pair, and the aggregate throughput of the cell and of its batch size's and temperature's
+    baseline."""
     metrics = [result.metrics for _, result in members]
 
     def total(name: str) -> float:
