@@ -71,8 +71,12 @@ class PolspecWorker(SimpleWorker):
     def get_heartbeat_ttl(self, job: Job, working_time: float = 0.0) -> int:
         # The heartbeat thread renews the entry every interval, so it only has to outlive one
         # interval plus a grace; SimpleWorker's own choice (the whole job timeout) would keep
-        # a killed worker's job looking alive for as long as the timeout.
-        return int(self.job_monitoring_interval + self.heartbeat_grace)
+        # a killed worker's job looking alive for as long as the timeout. RQ scores registry
+        # entries in whole seconds (``current_timestamp`` truncates, cleanup's bound is
+        # inclusive), so an entry dies up to a second before its TTL: the extra second keeps
+        # the whole grace for a late beat (with a grace of 1 a beat 0.2 s late, e.g. while a
+        # model loads, was declared abandoned).
+        return int(self.job_monitoring_interval + self.heartbeat_grace) + 1
 
     def execute_job(self, job: Job, queue: Queue) -> None:
         pairing, size = self._batching(job)
