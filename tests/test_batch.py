@@ -137,6 +137,32 @@ def test_sequences_join_and_leave_between_rounds(gemma3, smollm2, single):
         assert_same_or_float_tie(gemma3, PROMPTS[index], single(gemma3, index), tokens[index])
 
 
+def test_a_row_feeds_the_draft_its_prompt_only_when_it_first_proposes(gemma3, smollm2, single):
+    """auto on a probe where speculation pays alone but not two at a time: while two rows share
+    the batch neither proposes and the draft holds nothing of theirs; once the short one
+    leaves, the other's draft is fed its text and it proposes, still lossless."""
+    table = (BatchCost(1, (0.10, 0.10, 0.10, 0.10, 0.10), 0.001), BatchCost(2, (0.10, 0.30, 0.40, 0.60, 1.00), 0.10))
+    probe = Probe(gemma3.entry.alias, smollm2.entry.alias, c=0.01, rho=(1.0,) * 9, tau=0.0,
+                  target_step_s=0.10, draft_step_s=0.001, batch=table)
+    decoder = BatchDecoder(gemma3, smollm2, max_batch=2, probe=probe)
+    decoder.add(0, PROMPTS[0], DecodingParams(max_tokens=max_tokens(0), k="auto"), chat=False)
+    decoder.add(1, PROMPTS[1], DecodingParams(max_tokens=16, k="auto"), chat=False)
+    tokens: dict[int, list[int]] = {0: [], 1: []}
+    metrics = {}
+    while decoder:
+        together = len(decoder) == 2 or not tokens[0]
+        for event in decoder.step():
+            tokens[event.key] += event.commit.tokens if event.commit else []
+            metrics[event.key] = event.metrics
+        if together:
+            assert decoder.cached_lengths()[1] == [0] * len(decoder)
+    assert metrics[0].draft_tokens == 0 and metrics[0].plain_rounds == metrics[0].rounds == max_tokens(0)
+    assert metrics[1].draft_tokens > 0 and metrics[1].plain_rounds == max_tokens(0)
+    assert tokens[0] == single(gemma3, 0)
+    assert_same_or_float_tie(gemma3, PROMPTS[1], generate(gemma3, None, PROMPTS[1], DecodingParams(max_tokens=16),
+                                                         chat=False).token_ids, tokens[1])
+
+
 def test_batched_speculative_sampling_keeps_the_target_distribution(gemma3, smollm2):
     """Two-token samples at B = 4 under speculative sampling across tokenizers (TLI), with
     top-p, follow the target's exact joint distribution. (At temperature 0.7 this prompt's

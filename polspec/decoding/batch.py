@@ -45,7 +45,7 @@ from polspec.decoding.policy import DraftLength
 from polspec.decoding.prompts import Prompt, encode_request
 from polspec.decoding.sampling import sequence_seed, token_sampler
 from polspec.decoding.speculative import DraftText, settle_round, translate_proposal, translation_tables
-from polspec.decoding.speculative_sampling import SharedDraft, shared_vocabulary, speculative_choices
+from polspec.decoding.speculative_sampling import SharedDraft, shared_draft, speculative_choices
 from polspec.errors import PolspecError
 from polspec.models.loader import LoadedModel
 
@@ -72,7 +72,6 @@ class _Sequence:
     metrics: DecodeMetrics
     policy: DraftLength | None  # None: target-only
     draft_text: DraftText | None
-    draft_prompt: list[int] | None
     head: DraftHead | None = None  # the draft's output layer for this row (its draft_vocab)
     seed: int = 0
     sample: Callable[[mx.array], mx.array] | None = None
@@ -82,6 +81,7 @@ class _Sequence:
     committed: list[int] = field(default_factory=list)
     pending: int = 0
     draft_cached: int = 0  # entries of this row in the draft cache, valid or not
+    draft_warm: bool = False  # its draft prompt is cached: it has proposed at least once
 
 
 class BatchDecoder:
@@ -125,14 +125,13 @@ class BatchDecoder:
         if self.draft is not None:
             policy = self._policy(params, metrics)
         sequence = _Sequence(key, params, target_ids, metrics, policy,
-                             DraftText(draft_ids, self.tables and self.tables[0]) if policy else None,
-                             draft_ids if policy else None)
+                             DraftText(draft_ids, self.tables and self.tables[0]) if policy else None)
         if policy is not None:
             sequence.head = draft_head(self.draft, params.draft_vocab)
             metrics.draft_vocab = sequence.head.size
             metrics.verify = params.verification
             if params.verification == "tli":
-                sequence.shared = SharedDraft(sequence.head, shared_vocabulary(self.target, self.draft), self.draft)
+                sequence.shared = shared_draft(sequence.head, self.target, self.draft)
         sequence.seed = sequence_seed(params)
         sequence.sample = token_sampler(params, sequence.seed)
         sequence.eos = set(self.target.tokenizer.eos_token_ids)
@@ -150,12 +149,17 @@ class BatchDecoder:
         if not self.rows:
             return []
         batch = len(self.rows)
-        for sequence in self.rows:
-            if sequence.policy is not None and sequence.policy.mode == "auto":
-                sequence.policy.probe = self.probe.at_batch(batch)
-        ks = [min(s.policy.k, s.params.max_tokens - len(s.committed)) if s.policy else 0 for s in self.rows]
+        if any(s.policy is not None and s.policy.mode == "auto" for s in self.rows):
+            costs = self.probe.at_batch(batch)
+            for sequence in self.rows:
+                if sequence.policy is not None and sequence.policy.mode == "auto":
+                    sequence.policy.use_probe(costs)
 
         clock = time.perf_counter()
+        cold = [row for row, s in enumerate(self.rows) if s.policy and s.policy.k and not s.draft_warm]
+        if cold:
+            self._warm(cold)
+        ks = [min(s.policy.k, s.params.max_tokens - len(s.committed)) if s.policy else 0 for s in self.rows]
         proposals = self._propose(ks) if any(ks) else [[] for _ in self.rows]
         draft_s = time.perf_counter() - clock
 
@@ -231,30 +235,48 @@ class BatchDecoder:
             joining.append(self.waiting.pop(0))
         if not joining:
             return
-        targets, drafts = [], []
+        targets = []
         for sequence in joining:
             clock = time.perf_counter()
             targets.append(batch_kv.prefill_one(self.target.model, self.target_layers, sequence.prompt[:-1]))
             sequence.pending = sequence.prompt[-1]
-            if self.draft is not None:
-                prompt = sequence.draft_prompt if sequence.draft_prompt is not None else [0]
-                drafts.append(batch_kv.prefill_one(self.draft.model, self.draft_layers, prompt[:-1]))
-                if sequence.draft_text is not None:
-                    sequence.draft_text.fed = len(prompt) - 1
-                sequence.draft_cached = len(prompt) - 1
             sequence.metrics.prefill_s = time.perf_counter() - clock
         self.target_cache = batch_kv.join(self.target_cache, targets)
         if self.draft is not None:
-            self.draft_cache = batch_kv.join(self.draft_cache, drafts)
+            # The draft's prompt is fed on the row's first proposal (:meth:`_warm`), not here: a
+            # row that ``auto`` keeps plain never pays for it. Until then its draft row is empty.
+            empty = [batch_kv.prefill_one(self.draft.model, self.draft_layers, []) for _ in joining]
+            self.draft_cache = batch_kv.join(self.draft_cache, empty)
         self.rows += joining
+
+    def _warm(self, cold: list[int]) -> None:
+        """Feed the draft the text of rows about to propose for the first time, each alone (a
+        batched catch-up would pad every row to the longest prompt); they move to the end of
+        the batch, in both caches."""
+        singles = []
+        for row in cold:
+            sequence = self.rows[row]
+            text = sequence.draft_text
+            singles.append(batch_kv.prefill_one(self.draft.model, self.draft_layers, text.sequence[:-1]))
+            text.fed = sequence.draft_cached = len(text.sequence) - 1
+            sequence.draft_warm = True
+        stay = [row for row in range(len(self.rows)) if row not in cold]
+        if stay:
+            batch_kv.keep_rows(self.draft_cache, stay)
+        self.draft_cache = batch_kv.join(self.draft_cache if stay else None, singles)
+        order = stay + cold
+        batch_kv.keep_rows(self.target_cache, order)
+        self.rows = [self.rows[row] for row in order]
 
     def _propose(self, ks: list[int]) -> list[list[int]]:
         """Every row's greedy draft tokens (up to its k), in one batched forward per draft step.
 
         The first step feeds each row's text committed since its last proposal (right-padded to
         the longest); rows with k = 0 catch up in it too, at little cost, and propose nothing.
+        A row that has not proposed yet (or is target-only) feeds one padding token, which
+        :meth:`_resync` cuts.
         """
-        feeds = [s.draft_text.sequence[s.draft_text.fed:] if s.draft_text else [0] for s in self.rows]
+        feeds = [s.draft_text.sequence[s.draft_text.fed:] if s.draft_warm else [0] for s in self.rows]
         width = max(map(len, feeds))
         inputs = mx.array([feed + [0] * (width - len(feed)) for feed in feeds])
         heads = self._heads()
@@ -291,7 +313,7 @@ class BatchDecoder:
             if _confident(sequence):
                 low = next((i for i, p in enumerate(sure[row][: ks[row]]) if p < sequence.policy.threshold), None)
                 proposal = proposal if low is None else proposal[: low + 1]
-            if text is not None:
+            if sequence.draft_warm:
                 text.fed = len(text.sequence) + max(len(proposal) - 1, 0)
                 text.sequence = text.sequence + proposal
             sequence.draft_cached += len(feeds[row]) + steps - 1

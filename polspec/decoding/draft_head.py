@@ -64,6 +64,7 @@ class DraftHead:
         self.model = model
         self.split = can_split(model)
         self.keep = None
+        self.shared_drafts: dict[str, object] = {}  # target alias -> this head's SharedDraft under TLI
         if keep is not None:
             if not self.split:
                 raise PolspecError(f"{alias} ({getattr(model, 'model_type', '?')}) cannot run with a pruned draft "

@@ -48,6 +48,13 @@ class DraftLength:
         (its draft probability is below the threshold), lazily: a boolean array."""
         return mx.softmax(logits, axis=-1)[index] < self.threshold
 
+    def use_probe(self, probe: Probe) -> None:
+        """Cost the rounds to come with ``probe`` (``auto`` in a batch whose size changed),
+        choosing k again from it."""
+        if probe != self.probe:
+            self.probe = probe
+            self.k = self._choose()
+
     def observe(self, accepted: int, candidates: int, proposed: int) -> None:
         if self.mode == "heuristic":
             self.k = min(self.k + 2, self.k_max) if candidates and accepted == candidates else max(self.k - 1, 1)

@@ -37,7 +37,7 @@ from polspec.decoding.metrics import DecodeMetrics
 from polspec.decoding.params import DecodingParams
 from polspec.decoding.policy import DraftLength
 from polspec.decoding.sampling import sequence_seed, token_sampler
-from polspec.decoding.speculative_sampling import SharedDraft, shared_vocabulary, speculative_choices
+from polspec.decoding.speculative_sampling import shared_draft, speculative_choices
 from polspec.decoding.translate import (
     TokenBytes, common_prefix, follow_text, token_bytes, translate_draft_to_target,
 )
@@ -209,7 +209,7 @@ def generate_speculative(
     head = draft_head(draft, params.draft_vocab)
     metrics.draft_vocab = head.size
     draft_side = DraftSide(draft, draft_prompt, tables and tables[0], head)
-    shared = SharedDraft(head, shared_vocabulary(target, draft), draft) if params.verification == "tli" else None
+    shared = shared_draft(head, target, draft) if params.verification == "tli" else None
     metrics.prefill_s = time.perf_counter() - start
 
     committed: list[int] = []
