@@ -170,7 +170,9 @@ def test_stored_probe_is_measured_on_first_use_then_read_back(gemma3, smollm2, h
     assert load_probe("gemma3-270m", "smollm2-135m") == first
     assert stored_probe(gemma3, smollm2) == first  # a second measurement would differ in its timings
     pruned = stored_probe(gemma3, smollm2, draft_vocab=2048)  # the draft's step depends on its vocabulary
-    assert pruned != first and pruned.draft_vocab >= 2048 and load_probe("gemma3-270m", "smollm2-135m") == pruned
+    assert pruned != first and pruned.draft_vocab > 2048 and load_probe("gemma3-270m", "smollm2-135m") == pruned
+    # Read back, not measured again, though the head keeps byte and special tokens beyond the 2048.
+    assert stored_probe(gemma3, smollm2, draft_vocab=2048) == pruned
 
 
 @pytest.mark.slow

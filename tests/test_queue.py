@@ -328,7 +328,7 @@ def test_demo_runs_the_main_job_with_a_private_redis(home_with_models, tmp_path,
 def test_batched_worker_gives_the_texts_of_one_at_a_time(tmp_path, redis_url):
     """Target-only and speculative items in one queue, finishing at different rounds (their own
     max_tokens), decoded by --batch 4 and by --batch 1 into two databases: the same texts."""
-    rows = [{"id": f"q{i}", "prompt": prompt, "max_tokens": 6 + 5 * (i % 3)} for i, prompt in enumerate(PROMPTS[:6])]
+    rows = [{"id": f"q{i}", "prompt": prompt, "max_tokens": 4 + 3 * (i % 3)} for i, prompt in enumerate(PROMPTS[:6])]
     source = tmp_path / "prompts.jsonl"
     source.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
     texts = {}

@@ -11,7 +11,7 @@ from polspec.decoding.acceptance import acceptance_estimate
 from polspec.decoding.autoregressive import generate_autoregressive
 from polspec.decoding.commit import Commit
 from polspec.decoding.costmodel import BATCH_SIZES, Probe, can_pay
-from polspec.decoding.draft_vocab import draft_vocab_size
+from polspec.decoding.draft_vocab import draft_head
 from polspec.decoding.measure import measure_probe
 from polspec.decoding.metrics import DecodeMetrics
 from polspec.decoding.params import DecodingParams
@@ -60,10 +60,11 @@ def stored_probe(target: LoadedModel, draft: LoadedModel, batched: bool = False,
                  draft_vocab: int | str = "auto") -> Probe:
     """This machine's stored probe for the pair; measured and stored first when there is none,
     when ``batched`` needs the batch table and the stored probe has none, or when it was
-    measured with another draft vocabulary than ``draft_vocab`` gives."""
+    measured with another draft vocabulary than ``draft_vocab`` gives (compared by the tokens
+    the draft's head keeps, the size plus the byte and special tokens, as the probe records)."""
     probe = load_probe(target.entry.alias, draft.entry.alias)
     if (probe is None or (batched and not probe.batch)
-            or probe.draft_vocab != draft_vocab_size(draft, draft_vocab)):
+            or probe.draft_vocab != draft_head(draft, draft_vocab).size):
         probe = measure_probe(target, draft, batch_sizes=BATCH_SIZES if batched else (), draft_vocab=draft_vocab)
         save_probe(probe)
     return probe
