@@ -14,7 +14,9 @@ import pytest
 
 from polspec.decoding import DecodingParams, generate
 from polspec.decoding.batch import stream_batch
-from polspec.decoding.sampling import sampling_logprobs
+from mlx_lm.sample_utils import apply_top_p
+
+from polspec.decoding.sampling import NUCLEUS_BOUND, nucleus, sampling_logprobs
 from polspec.decoding.draft_vocab import draft_head
 from polspec.decoding.speculative_sampling import SharedDraft, shared_vocabulary, speculative_choices
 
@@ -33,6 +35,28 @@ def first_token_fit(tokens: np.ndarray, p: np.ndarray) -> tuple[float, int]:
     if rest[1] > 1e-9:
         statistic += (rest[0] - rest[1]) ** 2 / rest[1]
     return statistic, int(likely.sum()) - (0 if rest[1] > 1e-9 else 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("top_p", [0.5, 0.9, 0.95])
+def test_the_nucleus_is_mlx_lms_whether_or_not_the_bounded_sort_holds_it(gemma3, top_p):
+    """Gemma-3's real next-token distributions (262k tokens) at every position of a Polish
+    sentence, next to one too flat for its most likely tokens to hold top_p, in one call:
+    every row keeps what mlx-lm's full-sort ``apply_top_p`` keeps, but for the one token at
+    the edge where the two sums of top_p of the mass round apart, and exactly what it keeps
+    when filtered alone."""
+    ids = gemma3.tokenizer.encode("Wisła jest najdłuższą rzeką Polski i płynie przez Kraków oraz Warszawę.")
+    logits = gemma3.model(mx.array([ids]))[0]
+    rows = mx.concatenate([logits, logits[-1:] * 0.02])
+    rows = rows - mx.logsumexp(rows, axis=-1, keepdims=True)
+    filtered = nucleus(rows, top_p)
+    ours, reference = np.isfinite(np.array(filtered)), np.isfinite(np.array(apply_top_p(rows, top_p)))
+    assert reference[-1].sum() > NUCLEUS_BOUND and (ours[-1] == reference[-1]).all()
+    for kept, expected, probabilities in zip(ours, reference, np.exp(np.array(rows))):
+        if (kept != expected).any():
+            assert (kept != expected).sum() == 1 and abs(probabilities[kept & expected].sum() - top_p) < 1e-3
+    for i in (0, len(ids) - 1, len(ids)):
+        assert mx.array_equal(filtered[i], nucleus(rows[i : i + 1], top_p)[0]).item()
 
 
 @pytest.mark.parametrize("temperature, top_p, top_k", [(0.7, 0.9, 0), (1.0, 1.0, 3)])
