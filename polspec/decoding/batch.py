@@ -149,11 +149,11 @@ class BatchDecoder:
         if not self.rows:
             return []
         batch = len(self.rows)
-        if any(s.policy is not None and s.policy.mode == "auto" for s in self.rows):
+        auto = [s.policy for s in self.rows if s.policy is not None and s.policy.mode == "auto"]
+        if auto:
             costs = self.probe.at_batch(batch)
-            for sequence in self.rows:
-                if sequence.policy is not None and sequence.policy.mode == "auto":
-                    sequence.policy.use_probe(costs)
+            for policy in auto:
+                policy.use_probe(costs)
 
         clock = time.perf_counter()
         cold = [row for row, s in enumerate(self.rows) if s.policy and s.policy.k and not s.draft_warm]
