@@ -39,6 +39,7 @@ def chi_square_critical(df: int, z: float = 3.09) -> float:
 
 
 SAMPLED_PROMPT = "Wisła to najdłuższa rzeka"  # a next-token distribution with a few likely tokens
+OPEN_PROMPT = "Lubię jeść"  # likely two-token continuations enough to test even at temperature 0.7
 
 
 def next_token_probabilities(model, ids: list[int], params: DecodingParams) -> np.ndarray:
