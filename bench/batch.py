@@ -3,6 +3,8 @@
     .venv/bin/python bench/batch.py --target gemma3-270m --drafts smollm2-135m
     .venv/bin/python bench/batch.py --target qwen2.5-coder-1.5b --drafts gemma3-270m,smollm2-135m \\
         --prompts 8 --max-tokens 32 --batches 1,4,8
+    .venv/bin/python bench/batch.py --target qwen2.5-coder-1.5b --drafts gemma3-270m --k auto \\
+        --prompts 8 --max-tokens 32 --batches 1,8 --repeats 3 --no-mlx-lm
 
 Every configuration decodes the same prompts (by default half `pl-wiki`, half `pl-struct`), greedy, raw
 text, on the same loaded weights: polspec one prompt at a time (the single-sequence
@@ -10,7 +12,10 @@ decoder), polspec's batched decoder target-only and speculative at each batch si
 mlx-lm's `batch_generate` at each batch size. Reports aggregate tokens/s of the whole run
 (prefill included), the median per-sequence latency, peak memory, how many sequences differ
 from one-at-a-time output (float ties of batched products; the tests show them), and the
-ratio to batched target-only decoding at the same B. `auto` needs the pair's probe with its
+ratio to batched target-only decoding at the same B. With ``--repeats N`` the batched
+configurations at each B run N times, interleaved, and each row is the median run (every
+run's tokens/s in the last column): the way to tell a few percent from this machine's drift.
+`auto` needs the pair's probe with its
 batch table (measured first when missing). Prints Markdown; progress to stderr.
 """
 
@@ -91,6 +96,9 @@ def main() -> None:
     parser.add_argument("--datasets", default="pl-wiki,pl-struct", help="Comma-separated built-in sets.")
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="Runs of every batched configuration, interleaved at each B (plain, then each "
+                             "speculative one, then again); rows give the median run.")
     parser.add_argument("--no-mlx-lm", action="store_true", help="Leave out mlx-lm's rows (for a shorter run).")
     args = parser.parse_args()
     info = backend.setup()
@@ -100,43 +108,52 @@ def main() -> None:
     prompts = bench_prompts(datasets, args.prompts)
     batches = [int(b) for b in args.batches.split(",")]
     ks = [int(k) if k.isdigit() else k for k in args.k.split(",")]
-    print(f"Target {args.target}, {len(prompts)} prompts ({', '.join(datasets)}), {args.max_tokens} tokens, greedy:\n")
+    drafts = {alias: load_model(alias) for alias in filter(None, args.drafts.split(","))}
+    probes = {alias: stored_probe(target, draft, batched=True) if "auto" in ks else None
+              for alias, draft in drafts.items()}
+    print(f"Target {args.target}, {len(prompts)} prompts ({', '.join(datasets)}), {args.max_tokens} tokens, greedy"
+          f"{f', median of {args.repeats} interleaved runs' if args.repeats > 1 else ''}:\n")
     print("| how | B | tokens/s | vs one at a time | vs batched plain at B | latency per sequence (median s) "
-          "| peak GB | acceptance | differ |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| peak GB | acceptance | differ | runs (tokens/s) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
 
-    def row(how, batch, outputs, wall, latencies=None, plain=None, acceptance=None):
-        tokens = sum(map(len, outputs))
-        rate = tokens / wall
+    def row(how, batch, runs, plain=None):
+        """One table row from ``runs`` of (outputs, wall, latencies, acceptance, peak bytes); the median run's figures."""
+        rates = [sum(map(len, outputs)) / wall for outputs, wall, *_ in runs]
+        outputs, _, latencies, acceptance, peak = runs[rates.index(statistics.median_low(rates))]
+        rate = statistics.median(rates)
         differ = sum(a != b for a, b in zip(outputs, reference))
         print(f"| {how} | {batch} | {rate:.2f} | {rate / base_rate:.2f}x | {f'{rate / plain:.2f}x' if plain else '-'} "
-              f"| {statistics.median(latencies):.1f} | {mx.get_peak_memory() / 1e9:.2f} "
-              f"| {'-' if acceptance is None else f'{acceptance:.1%}'} | {differ} |" if latencies else
-              f"| {how} | {batch} | {rate:.2f} | {rate / base_rate:.2f}x | {f'{rate / plain:.2f}x' if plain else '-'} "
-              f"| - | {mx.get_peak_memory() / 1e9:.2f} | - | {differ} |", flush=True)
+              f"| {f'{statistics.median(latencies):.1f}' if latencies else '-'} | {peak / 1e9:.2f} "
+              f"| {'-' if acceptance is None else f'{acceptance:.1%}'} | {differ} "
+              f"| {', '.join(f'{r:.2f}' for r in rates) if len(rates) > 1 else '-'} |", flush=True)
         return rate
 
     print("one at a time ...", file=sys.stderr)
     reference, wall, latencies = run_one_at_a_time(target, prompts, args.max_tokens)
     base_rate = sum(map(len, reference)) / wall
-    row("polspec one at a time", 1, reference, wall, latencies)
-    plain = {}
+    row("polspec one at a time", 1, [(reference, wall, latencies, None, mx.get_peak_memory())])
     for batch in batches:
-        print(f"batched plain B={batch} ...", file=sys.stderr)
-        outputs, wall, latencies, _ = run_batched(target, None, prompts, args.max_tokens, 2, batch, None)
-        plain[batch] = row("polspec batched target-only", batch, outputs, wall, latencies)
-        if not args.no_mlx_lm:
-            print(f"mlx-lm B={batch} ...", file=sys.stderr)
-            outputs, wall = run_mlx_lm(target, prompts, args.max_tokens, batch)
-            row("mlx-lm batch_generate", batch, outputs, wall, plain=plain[batch])
-    for draft_alias in filter(None, args.drafts.split(",")):
-        draft = load_model(draft_alias)
-        probe = stored_probe(target, draft, batched=True) if "auto" in ks else None
-        for k in ks:
-            for batch in batches:
-                print(f"{draft_alias} k={k} B={batch} ...", file=sys.stderr)
-                outputs, wall, latencies, acceptance = run_batched(target, draft, prompts, args.max_tokens, k, batch, probe)
-                row(f"polspec batched, {draft_alias} k={k}", batch, outputs, wall, latencies, plain[batch], acceptance)
+        runs: dict[str, list] = {}
+        for repeat in range(args.repeats):
+            print(f"B={batch}, run {repeat + 1} of {args.repeats}: plain ...", file=sys.stderr)
+            runs.setdefault("plain", []).append(
+                (*run_batched(target, None, prompts, args.max_tokens, 2, batch, None), mx.get_peak_memory()))
+            if not args.no_mlx_lm:
+                print(f"B={batch}: mlx-lm ...", file=sys.stderr)
+                runs.setdefault("mlx-lm", []).append(
+                    (*run_mlx_lm(target, prompts, args.max_tokens, batch), None, None, mx.get_peak_memory()))
+            for alias, draft in drafts.items():
+                for k in ks:
+                    print(f"B={batch}: {alias} k={k} ...", file=sys.stderr)
+                    runs.setdefault(f"{alias} k={k}", []).append(
+                        (*run_batched(target, draft, prompts, args.max_tokens, k, batch, probes[alias]),
+                         mx.get_peak_memory()))
+        plain = row("polspec batched target-only", batch, runs.pop("plain"))
+        if "mlx-lm" in runs:
+            row("mlx-lm batch_generate", batch, runs.pop("mlx-lm"), plain)
+        for how, speculative in runs.items():
+            row(f"polspec batched, {how}", batch, speculative, plain)
 
 
 if __name__ == "__main__":
