@@ -31,16 +31,17 @@ def sampling_logprobs(logits: mx.array, params: DecodingParams) -> mx.array:
 
 
 # How many of the most likely tokens :func:`nucleus` sorts before it falls back to sorting the
-# whole vocabulary: enough to hold top_p = 0.95 of a language model's next-token mass almost
-# always, and a sort of 1,024 values costs nothing next to one of 262,144 (30 ms a row here).
+# whole vocabulary: they hold 0.95 of Gemma-3's next-token mass at 22 of the 23 positions of a
+# Polish sentence (the test's), and sorting 1,024 values costs nothing next to sorting
+# 262,144 (30 ms a row on a 2-core CPU).
 NUCLEUS_BOUND = 1024
 
 
 def nucleus(logprobs: mx.array, top_p: float) -> mx.array:
     """``logprobs (..., vocab)`` (normalized) outside each row's nucleus set to -inf. The nucleus
     is mlx-lm's ``apply_top_p``'s, up to float rounding at its edge, but where a row's
-    :data:`NUCLEUS_BOUND` most likely tokens hold ``top_p`` of its mass, as they nearly always
-    do, only those are sorted, not the whole vocabulary. Each row's result depends on that row
+    :data:`NUCLEUS_BOUND` most likely tokens hold ``top_p`` of its mass, as they mostly do,
+    only those are sorted, not the whole vocabulary. Each row's result depends on that row
     alone, so a sequence keeps its samples whatever a batch holds. Reads one flag back from
     the device."""
     if logprobs.shape[-1] <= 4 * NUCLEUS_BOUND:
