@@ -101,6 +101,8 @@ def main() -> None:
                              "speculative one, then again); rows give the median run.")
     parser.add_argument("--no-mlx-lm", action="store_true", help="Leave out mlx-lm's rows (for a shorter run).")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats must be 1 or more, got {args.repeats}")
     info = backend.setup()
     print(f"MLX {info.mlx_version} on {info.device}, dtype {info.dtype}, BLAS fix {'on' if info.blas.active else 'off'}\n")
     target = load_model(args.target)

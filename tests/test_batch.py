@@ -166,7 +166,7 @@ def test_a_row_feeds_the_draft_its_prompt_only_when_it_first_proposes(gemma3, sm
 def test_batched_speculative_sampling_keeps_the_target_distribution(gemma3, smollm2):
     """Two-token samples at B = 4 under speculative sampling across tokenizers (TLI) at
     temperature 0.7 with top-p follow the target's exact joint distribution (on a prompt open
-    enough at 0.7 for seven bins), and the draft decided some of them."""
+    enough at 0.7 for six likely bins besides the rest), and the draft decided some of them."""
     samples = 80
     bins = two_token_bins(gemma3, OPEN_PROMPT, 0.7, samples, top_p=0.9)
     params = [DecodingParams(seed=s, max_tokens=2, temperature=0.7, top_p=0.9, k=2, verify="tli") for s in range(samples)]

@@ -11,11 +11,10 @@ from collections import Counter
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx_lm.sample_utils import apply_top_p
 
 from polspec.decoding import DecodingParams, generate
 from polspec.decoding.batch import stream_batch
-from mlx_lm.sample_utils import apply_top_p
-
 from polspec.decoding.sampling import NUCLEUS_BOUND, nucleus, sampling_logprobs
 from polspec.decoding.draft_vocab import draft_head
 from polspec.decoding.speculative_sampling import SharedDraft, shared_vocabulary, speculative_choices
