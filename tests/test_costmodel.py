@@ -8,7 +8,7 @@ import math
 import pytest
 
 from polspec.decoding import DecodingParams, generate
-from polspec.decoding.acceptance import AcceptanceEstimate, acceptance_estimate
+from polspec.decoding.acceptance import PRIOR_WEIGHT, AcceptanceEstimate, acceptance_estimate
 from polspec.decoding.costmodel import (
     BATCH_POSITIONS, BATCH_SIZES, PROBE_FORMAT, BatchCost, Probe, best_k, break_even_acceptance, can_pay, expected_tokens,
     predicted_speedup, predicted_speedup_of_rounds, round_cost, throughput_batch_size,
@@ -96,18 +96,37 @@ def test_throughput_batch_size_stops_where_a_larger_batch_gains_under_ten_percen
     assert throughput_batch_size(None) == throughput_batch_size(table()) == BATCH_SIZES[-1]
 
 
-def test_auto_explores_only_while_an_optimistic_acceptance_could_pay():
+def test_auto_explores_at_the_first_round_then_only_while_an_optimistic_acceptance_could_pay():
     cheap = flat(0.1, rho=(1.0, 1.1) + (1.2,) * 7)  # k = 1 pays from a = 0.2 on
-    estimate = AcceptanceEstimate(1, 9)  # a = 0.1: plain decoding, but 0.2 is still plausible
-    policy = DraftLength(DecodingParams(k="auto"), cheap, estimate)
+    pooled = AcceptanceEstimate(1, 9)  # a = 0.1: plain decoding, but 0.2 is still plausible
+    policy = DraftLength(DecodingParams(k="auto"), cheap, pooled)
     ks = []
     for _ in range(EXPLORE_EVERY * 6):
         ks.append(policy.k)
         policy.observe(0, 0, 0) if policy.k == 0 else policy.observe(0, 2, 1)  # every exploration fails
     explored = [round_ for round_, k in enumerate(ks) if k > 0]
-    assert explored and explored[0] == EXPLORE_EVERY - 1  # the first exploration comes on time
+    assert explored[:2] == [0, EXPLORE_EVERY]  # the first round, then one round in EXPLORE_EVERY
     assert explored[-1] < EXPLORE_EVERY * 5  # then the failures make even the optimistic acceptance too low
-    assert estimate.upper_bound() < 0.2
+    assert policy.estimate.upper_bound() < 0.2
+    assert (pooled.successes, pooled.failures) == (1, 9 + len(explored))  # the pool learns what the sequence saw
+
+
+def test_a_sequence_starts_from_the_pooled_estimate_but_its_own_rounds_soon_outweigh_it():
+    cheap = flat(0.1, rho=(1.0, 1.1) + (1.2,) * 7)  # k = 1 pays from a = 0.2 on
+    pooled = AcceptanceEstimate(10, 90)  # what earlier prose taught the pair: a = 0.1
+    prior = pooled.prior()
+    assert prior.a == pytest.approx(0.1) and prior.successes + prior.failures == pytest.approx(PRIOR_WEIGHT)
+    weak = AcceptanceEstimate(1, 2).prior()
+    assert (weak.successes, weak.failures) == (1, 2)  # a pool weaker than the cap is taken as it is
+
+    table = DraftLength(DecodingParams(k="auto"), cheap, pooled)  # a text where every candidate is accepted
+    ks = []
+    for _ in range(6):
+        ks.append(table.k)
+        table.observe(table.k, table.k, table.k)
+    assert all(k > 0 for k in ks) and ks[-1] > ks[0]  # it drafts from the first round, and more as it learns
+    assert pooled.successes == 10 + sum(ks) and pooled.a < 0.3  # the pool hears of it, and keeps its own weight
+    assert DraftLength(DecodingParams(k="auto"), cheap, pooled).estimate.a == pytest.approx(pooled.a)
 
 
 def test_auto_never_explores_where_no_plausible_acceptance_pays():

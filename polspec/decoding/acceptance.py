@@ -1,5 +1,5 @@
-"""The running acceptance estimate that the ``auto`` draft length feeds on, one per pair and
-translation for the life of the process."""
+"""The running acceptance estimates that the ``auto`` draft length feeds on: one pooled per pair
+and translation for the life of the process, and one per sequence that starts from it."""
 
 from __future__ import annotations
 
@@ -7,6 +7,12 @@ import math
 from dataclasses import dataclass
 
 from polspec.decoding.params import DecodingParams
+
+# A sequence's own estimate starts from the pooled one's mean with at most this many
+# pseudo-counts: enough to start near what the pair usually does, weak enough that a few rounds
+# of the sequence's own text outweigh it (prose and tables accept at rates far apart, and a
+# pool that prose taught would otherwise keep a table from ever drafting).
+PRIOR_WEIGHT = 4.0
 
 
 @dataclass
@@ -37,14 +43,20 @@ class AcceptanceEstimate:
         self.successes += accepted
         self.failures += 1 if accepted < candidates else 0
 
+    def prior(self, weight: float = PRIOR_WEIGHT) -> AcceptanceEstimate:
+        """A new estimate with this one's mean and at most ``weight`` pseudo-counts."""
+        total = self.successes + self.failures
+        scale = weight / total if total > weight else 1.0
+        return AcceptanceEstimate(self.successes * scale, self.failures * scale)
 
-# One estimate per (target, draft, translation) for the life of the process, so that a worker's
-# later generations start from what earlier ones saw.
+
+# One pooled estimate per (target, draft, translation) for the life of the process, so that a
+# worker's later generations start from what earlier ones saw.
 _ESTIMATES: dict[tuple[str, str, str], AcceptanceEstimate] = {}
 
 
 def acceptance_estimate(target: str, draft: str, params: DecodingParams) -> AcceptanceEstimate:
-    """The running estimate for a pair and the translation ``params`` choose: its strategy, and
+    """The pooled running estimate for a pair and the translation ``params`` choose: its strategy, and
     for ``aligned`` its partial-word rule too (``aligned/hold`` apart from ``aligned/verify``,
     whose candidates are accepted at different rates); speculative sampling (``tli``) apart
     from them all."""

@@ -24,21 +24,23 @@ class DraftLength:
     - ``confidence``: up to ``k_max`` tokens, stopping after a token whose draft
       probability is below ``confidence`` (costs one host sync per draft token);
     - ``auto``: the k in 0..``k_max`` with the highest speedup the cost model predicts from
-      the machine's ``probe`` and the running acceptance ``estimate``; 0 means a plain
+      the machine's ``probe`` and the sequence's own running acceptance estimate, which
+      starts from the pair's ``pooled`` one and adds to it what it sees; 0 means a plain
       target step (see :mod:`polspec.decoding.costmodel`).
     """
 
     def __init__(self, params: DecodingParams, probe: Probe | None = None,
-                 estimate: AcceptanceEstimate | None = None):
+                 pooled: AcceptanceEstimate | None = None):
         self.mode = params.k if isinstance(params.k, str) else "fixed"
         self.k_max = params.k_max
         self.threshold = params.confidence
         if self.mode == "auto":
-            if probe is None or estimate is None:
-                raise ValueError("the auto draft length needs a probe and an acceptance estimate")
-            self.probe, self.estimate = probe, estimate
+            if probe is None or pooled is None:
+                raise ValueError("the auto draft length needs a probe and the pair's pooled acceptance estimate")
+            self.probe, self.pooled = probe, pooled
+            self.estimate = pooled.prior()  # this sequence's own, which its rounds soon outweigh
             self.candidates, self.proposed = 4.0, 4.0  # prior: one candidate per draft token
-            self.plain_rounds = 0
+            self.until_explore = 0  # plain rounds before one drafts anyway: the first round may
             self.k = self._choose()
         else:
             self.k = params.k_max if self.mode == "confidence" else params.initial_k
@@ -61,21 +63,24 @@ class DraftLength:
         elif self.mode == "auto":
             if candidates:
                 self.estimate.observe(accepted, candidates)
+                self.pooled.observe(accepted, candidates)
             if proposed:
                 self.candidates += candidates
                 self.proposed += proposed
+                self.until_explore = EXPLORE_EVERY - 1
+            else:
+                self.until_explore -= 1
             self.k = self._choose()
 
     def _choose(self) -> int:
-        """The best k at the estimated acceptance. At k = 0, every ``EXPLORE_EVERY``-th round
-        tries the best k at the estimate's upper bound instead: exploring costs a round and the
-        draft's catch-up on the text it skipped, so it stops once the evidence says that even
-        an optimistic acceptance cannot pay (the demo pair on a CPU, where the draft step is
-        most of a target step, never explores)."""
+        """The best k at the sequence's estimated acceptance. Where that is 0, the sequence's
+        first round, and after it one round in ``EXPLORE_EVERY``, tries the best k at the
+        estimate's upper bound instead: exploring costs a round and the draft's catch-up on
+        the text it skipped, so it stops once the evidence says that even an optimistic
+        acceptance cannot pay (the demo pair on a CPU, where the draft step is most of a
+        target step, never explores)."""
         ratio = self.candidates / self.proposed
         k = best_k(self.probe, self.estimate.a, self.k_max, ratio)
-        if k == 0:
-            self.plain_rounds += 1
-            if self.plain_rounds % EXPLORE_EVERY == 0:
-                return best_k(self.probe, self.estimate.upper_bound(), self.k_max, ratio)
+        if k == 0 and self.until_explore <= 0:
+            return best_k(self.probe, self.estimate.upper_bound(), self.k_max, ratio)
         return k
