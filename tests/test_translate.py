@@ -70,6 +70,15 @@ def test_aligned_candidates_are_a_prefix_of_the_proposal_in_whole_characters(tab
     assert hold.candidates == verify.candidates[: len(hold.candidates)]
 
 
+def test_bytes_the_cap_leaves_out_are_held_back(tables):
+    """Llama-3 writes nine digits as three tokens, Mistral as nine: a cap of 8 leaves one out."""
+    draft, target = tables["tok:llama3"], tables["tok:mistral-32k"]
+    proposal = draft.encode(b"000000000")
+    capped = translate_draft_to_target("aligned", draft, target, proposal, [], cap=8)
+    assert target.text(capped.candidates) == b"00000000" and capped.held_back == 1
+    assert translate_draft_to_target("aligned", draft, target, proposal, []).held_back == 0
+
+
 @pytest.mark.parametrize("target", ["qwen2.5-coder-1.5b", "tok:mistral-32k"])
 def test_hold_leaves_an_unfinished_word_for_the_next_round(tables, target):
     """' mias' is ' m' + 'ias', but ' miasto' is ' mi' + 'asto' on both targets: only ' stare' is stable."""

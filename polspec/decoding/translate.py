@@ -287,7 +287,7 @@ def _aligned(draft, target, text_ids, ended, committed, prefix, cap, lag, hold) 
     # (stripped above) or after punctuation; only ``hold`` pays for finding its unstable tokens.
     if hold and not finished and whole == complete and not _PUNCTUATION_END.search(whole):
         candidates = candidates[:_stable_length(target, context, whole, candidates)]
-    held_back = len(proposal) - len(target.text(candidates))
+    held_back = len(proposal) - len(target.text(candidates[:cap]))
     if finished and held_back == 0 and eos is not None:
         candidates = candidates + [eos]
     candidates = candidates[:cap]
