@@ -9,10 +9,11 @@ from dataclasses import dataclass
 from polspec.decoding.params import DecodingParams
 
 # A sequence's own estimate starts from the pooled one's mean with at most this many
-# pseudo-counts: enough to start near what the pair usually does, weak enough that a few rounds
-# of the sequence's own text outweigh it (prose and tables accept at rates far apart, and a
-# pool that prose taught would otherwise keep a table from ever drafting).
-PRIOR_WEIGHT = 4.0
+# pseudo-counts: it starts near what the pair usually does, but its upper bound stays wide
+# enough to try drafting, and a few rounds of its own text outweigh it (prose and tables
+# accept at rates far apart, and a pool that prose taught would otherwise keep a table from
+# ever drafting).
+PRIOR_WEIGHT = 2.0
 
 
 @dataclass

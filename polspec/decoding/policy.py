@@ -10,10 +10,6 @@ from polspec.decoding.acceptance import AcceptanceEstimate
 from polspec.decoding.costmodel import Probe, best_k
 from polspec.decoding.params import DecodingParams
 
-# With auto at k = 0, one round in this many drafts anyway, so that the acceptance estimate
-# can recover when the text gets easier; only while an optimistic acceptance could still pay.
-EXPLORE_EVERY = 32
-
 
 class DraftLength:
     """Decides how many tokens the draft proposes next round.
@@ -40,7 +36,6 @@ class DraftLength:
             self.probe, self.pooled = probe, pooled
             self.estimate = pooled.prior()  # this sequence's own, which its rounds soon outweigh
             self.candidates, self.proposed = 4.0, 4.0  # prior: one candidate per draft token
-            self.until_explore = 0  # plain rounds before one drafts anyway: the first round may
             self.k = self._choose()
         else:
             self.k = params.k_max if self.mode == "confidence" else params.initial_k
@@ -67,20 +62,16 @@ class DraftLength:
             if proposed:
                 self.candidates += candidates
                 self.proposed += proposed
-                self.until_explore = EXPLORE_EVERY - 1
-            else:
-                self.until_explore -= 1
             self.k = self._choose()
 
     def _choose(self) -> int:
-        """The best k at the sequence's estimated acceptance. Where that is 0, the sequence's
-        first round, and after it one round in ``EXPLORE_EVERY``, tries the best k at the
-        estimate's upper bound instead: exploring costs a round and the draft's catch-up on
-        the text it skipped, so it stops once the evidence says that even an optimistic
-        acceptance cannot pay (the demo pair on a CPU, where the draft step is most of a
-        target step, never explores)."""
+        """The best k at the sequence's estimated acceptance; where that is 0, the best k at
+        the estimate's upper bound (exploring). Each failed exploration lowers the bound, so a
+        text that keeps rejecting soon decodes plain for good, and plain rounds add no evidence
+        that could raise it again: exploring comes early and in one stretch, with the draft
+        warm, not spread over the generation with a catch-up each time. Where even an
+        optimistic acceptance cannot pay it never explores (the demo pair on a CPU, where the
+        draft step is most of a target step)."""
         ratio = self.candidates / self.proposed
-        k = best_k(self.probe, self.estimate.a, self.k_max, ratio)
-        if k == 0 and self.until_explore <= 0:
-            return best_k(self.probe, self.estimate.upper_bound(), self.k_max, ratio)
-        return k
+        return (best_k(self.probe, self.estimate.a, self.k_max, ratio)
+                or best_k(self.probe, self.estimate.upper_bound(), self.k_max, ratio))
