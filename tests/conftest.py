@@ -6,6 +6,7 @@ one machine fetch them once; tests that inspect or dirty the cache use ``isolate
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import signal
@@ -43,14 +44,26 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             raise pytest.UsageError(f"{item.nodeid} loads a model: mark it @pytest.mark.slow")
 
 
+@functools.cache
+def resident_model(alias: str) -> LoadedModel:
+    """One loaded copy of a built-in model for the whole session."""
+    return load_model(alias)
+
+
+def resident_or_load(alias: str) -> LoadedModel:
+    """A worker's model loader in tests: the session's copy of the models the fixtures give,
+    a fresh load for any other alias (a test's own registry entry, a broken one)."""
+    return resident_model(alias) if alias in ("smollm2-135m", "gemma3-270m") else load_model(alias)
+
+
 @pytest.fixture(scope="session")
 def smollm2() -> LoadedModel:
-    return load_model("smollm2-135m")
+    return resident_model("smollm2-135m")
 
 
 @pytest.fixture(scope="session")
 def gemma3() -> LoadedModel:
-    return load_model("gemma3-270m")
+    return resident_model("gemma3-270m")
 
 
 @pytest.fixture
