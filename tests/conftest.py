@@ -14,15 +14,18 @@ import socket
 import subprocess
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import redis
 from sqlalchemy import create_engine, make_url
+from transformers import PreTrainedTokenizerFast
 
 from polspec import backend  # noqa: F401  (before anything imports mlx: the Linux BLAS fix)
 from polspec.models.loader import LoadedModel, load_model
+from polspec.models.registry import Registry, load_registry
+from polspec.models.tokenizers import load_tokenizer
 
 POLISH_TEXT = (
     "Kraków jest jednym z najstarszych i największych miast w Polsce. Przez wieki był stolicą "
@@ -44,6 +47,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             raise pytest.UsageError(f"{item.nodeid} loads a model: mark it @pytest.mark.slow")
 
 
+@pytest.fixture(scope="session")
+def registry() -> Registry:
+    return load_registry()
+
+
+@pytest.fixture(scope="session")
+def tokenizer_of(registry: Registry) -> Callable[[str], PreTrainedTokenizerFast]:
+    """``alias -> tokenizer``, each fetched (downloaded, imported) and loaded once per session."""
+    return functools.cache(lambda alias: load_tokenizer(alias, registry))
+
+
 @functools.cache
 def resident_model(alias: str) -> LoadedModel:
     """One loaded copy of a built-in model for the whole session."""
@@ -54,6 +68,15 @@ def resident_or_load(alias: str) -> LoadedModel:
     """A worker's model loader in tests: the session's copy of the models the fixtures give,
     a fresh load for any other alias (a test's own registry entry, a broken one)."""
     return resident_model(alias) if alias in ("smollm2-135m", "gemma3-270m") else load_model(alias)
+
+
+@pytest.fixture
+def resident_models(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What loads a model by alias in this process (the CLI's ``generate``) gets the session's
+    copy: a CLI test that invokes it three times would otherwise load its models three times."""
+    from polspec.models import loader
+
+    monkeypatch.setattr(loader, "load_model", resident_or_load)
 
 
 @pytest.fixture(scope="session")

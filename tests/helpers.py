@@ -1,23 +1,57 @@
-"""Helpers for tests that run ``polspec worker`` as a real process and watch the database."""
+"""Helpers for tests that run a worker, as a real ``polspec worker`` process or in this one, and
+watch the database."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
+from click.testing import CliRunner
 from sqlalchemy import func, select
+
+from polspec.cli import main
 
 from polspec.store.engine import make_engine, session_scope
 from polspec.store.schema import Item
+from polspec.worker import run as worker_run
+from polspec.worker.model_cache import ModelCache
+from conftest import resident_or_load
 
 
 def start_worker(env: dict[str, str], *args: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", "from polspec.cli import main; main()", "worker", *args],
                             env=os.environ | env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@contextlib.contextmanager
+def resident_worker_models() -> Iterator[None]:
+    """Workers started in this process meanwhile take the session's loaded models: what
+    loading them in a worker does is the subprocess workers' part."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(worker_run, "ModelCache", lambda: ModelCache(loader=resident_or_load))
+        yield
+
+
+def work(env: dict[str, str], **options) -> bool:
+    """A burst worker in this process (``options`` as in ``WorkerOptions``)."""
+    with resident_worker_models():
+        return worker_run.run_worker(worker_run.WorkerOptions(burst=True, log_level="WARNING", **options),
+                                     db_url=env["POLSPEC_DB_URL"], redis_url=env["POLSPEC_REDIS_URL"])
+
+
+def worker_in_process(env: dict[str, str], *args: str) -> str:
+    """``polspec worker ARGS`` in this process, to its end; its output. A restart after a fault
+    needs no new process: what it must show is the recovery, and the worker's start-up and
+    model loads are 5-10 s of a test."""
+    with resident_worker_models():
+        result = CliRunner().invoke(main, ["worker", *args], env=env)
+    assert result.exit_code == 0, result.output
+    return result.output
 
 
 def wait_for_line(worker: subprocess.Popen, text: str) -> str:

@@ -11,12 +11,12 @@ import pytest
 from polspec.decoding import DecodingParams, generate, run
 from polspec.decoding.acceptance import PRIOR_WEIGHT, AcceptanceEstimate, acceptance_estimate
 from polspec.decoding.costmodel import (
-    BATCH_POSITIONS, BATCH_SIZES, PROBE_FORMAT, BatchCost, Probe, best_k, break_even_acceptance, can_pay, expected_tokens,
-    predicted_speedup, predicted_speedup_of_rounds, round_cost, throughput_batch_size,
+    BATCH_POSITIONS, BATCH_SIZES, PROBE_FORMAT, BatchCost, Probe, best_k, best_shared_k, break_even_acceptance, can_pay,
+    expected_tokens, predicted_speedup, predicted_speedup_of_rounds, round_cost, throughput_batch_size,
 )
 from polspec.decoding.draft_vocab import DEFAULT_SIZE
 from polspec.decoding.measure import measure_probe
-from polspec.decoding.policy import DraftLength
+from polspec.decoding.policy import DraftLength, shared_auto_k
 from polspec.decoding.probe_files import load_probe, probe_path, save_probe
 from polspec.decoding.run import stored_probe
 
@@ -127,6 +127,25 @@ def test_a_sequence_starts_from_the_pooled_estimate_but_its_own_rounds_soon_outw
     assert all(k > 0 for k in ks) and ks[-1] > ks[0]  # it drafts from the first round, and more as it learns
     assert pooled.successes == 10 + sum(ks) and pooled.a < 0.3  # the pool hears of it, and keeps its own weight
     assert DraftLength(DecodingParams(k="auto"), cheap, pooled).estimate.a == pytest.approx(pooled.a)
+
+
+def test_one_k_for_a_batch_pays_only_if_the_tokens_of_every_row_do():
+    batched = flat(0.1, rho=(1.0, 1.4, 1.6) + (1.8,) * 6)  # a wide verification costs the whole batch
+    assert best_shared_k(batched, [0.8], 4) == best_k(batched, 0.8, 4) > 0  # one row: the row's own best
+    assert best_shared_k(batched, [0.8] * 8, 4) > 0
+    # One sure row among seven that draft nothing: its extra tokens do not pay for the batch's wider round.
+    assert best_shared_k(batched, [0.8] + [0.0] * 7, 4) == 0
+
+
+def test_a_batch_speculates_on_evidence_never_on_the_prior_alone():
+    batched = flat(0.1, rho=(1.0, 1.1) + (1.2,) * 7)  # k = 1 pays from a = 0.2 on
+    fresh = AcceptanceEstimate()  # a = 0.5, but no round seen
+    rows = [DraftLength(DecodingParams(k="auto"), batched, fresh) for _ in range(4)]
+    assert rows[0].k > 0  # alone, a row explores
+    assert shared_auto_k(rows, batched, 4) == 0  # together, not on the prior alone
+    rows[0].observe(2, 2, 2)  # one row's round: the pool has evidence now, and every row starts from it
+    assert fresh.rounds == 1 and shared_auto_k(rows, batched, 4) > 0
+    assert shared_auto_k(rows, batched, 40) == 0  # 36 rows beside them that draft nothing
 
 
 def test_auto_never_explores_where_no_plausible_acceptance_pays():

@@ -228,7 +228,7 @@ def test_chat_mode_needs_a_draft_chat_template(smollm2, gemma3):
 
 
 @pytest.mark.slow
-def test_cli_streams_and_marks_accepted_text(gemma3, smollm2):
+def test_cli_streams_and_marks_accepted_text(gemma3, smollm2, resident_models):
     runner = CliRunner()
     args = ["generate", "Stolicą Polski jest Warszawa, która", "--draft", "smollm2-135m", "--max-tokens", "8"]
     plain = runner.invoke(main, args)

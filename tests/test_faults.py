@@ -26,7 +26,7 @@ from polspec.jobs.queue import queue_name
 from polspec.store.engine import make_engine, session_scope
 from polspec.store.schema import Item, Result
 from conftest import sqlite_url
-from helpers import start_worker, statuses, wait_for, wait_for_line
+from helpers import start_worker, statuses, wait_for, wait_for_line, worker_in_process
 
 pytestmark = pytest.mark.slow
 TARGET = "smollm2-135m"
@@ -71,7 +71,7 @@ def test_worker_killed_mid_item_then_restarted_does_every_item_once(env):
     first.wait()
     assert statuses(env).get("running") == 1  # the killed worker's item, left behind
 
-    output = finish(start_worker(env, "--burst", "--batch", "1"))
+    output = worker_in_process(env, "--burst", "--batch", "1")
     assert "re-enqueued 1 unfinished items (1 worker gone)" in output
     items = assert_each_item_done_once(env, 6)
     assert sorted(item.attempts for item in items) == [1, 1, 1, 1, 1, 2]
@@ -133,7 +133,7 @@ def test_first_sigterm_finishes_the_item_then_stops(env):
     finish(worker, timeout=120)
     after = statuses(env)
     assert after.get("done") == 1 and after.get("queued") == 2 and "running" not in after
-    finish(start_worker(env, "--burst"))
+    worker_in_process(env, "--burst")
     assert_each_item_done_once(env, 3)
 
 
@@ -163,7 +163,7 @@ def test_batched_worker_killed_mid_batch_then_restarted_does_every_item_once(env
     left = statuses(env)
     assert left.get("running", 0) >= 1 and left.get("done", 0) < 8  # the killed batch's items, left behind
 
-    output = finish(start_worker(env, "--burst", "--batch", "4"))
+    output = worker_in_process(env, "--burst", "--batch", "4")
     assert f"re-enqueued {left['running']} unfinished items ({left['running']} worker gone)" in output
     items = assert_each_item_done_once(env, 8)
     assert sorted(item.attempts for item in items) == [1] * (8 - left["running"]) + [2] * left["running"]
@@ -207,7 +207,7 @@ def test_first_sigterm_finishes_the_batch_in_flight_then_stops(env):
     finish(worker, timeout=120)
     after = statuses(env)
     assert after.get("done", 0) >= 2 and after.get("queued", 0) >= 1 and "running" not in after
-    finish(start_worker(env, "--burst"))
+    worker_in_process(env, "--burst")
     assert_each_item_done_once(env, 6)
 
 
@@ -223,7 +223,7 @@ def test_second_sigterm_stops_a_batch_at_once_and_its_items_run_again(env):
     worker.send_signal(signal.SIGTERM)
     worker.communicate(timeout=60)
     assert statuses(env) == {"running": 4}  # stopped mid-batch (200 tokens each), left for the next worker
-    output = finish(start_worker(env, "--burst", "--batch", "4"))
+    output = worker_in_process(env, "--burst", "--batch", "4")
     assert "re-enqueued 4 unfinished items (4 worker gone)" in output
     assert [item.attempts for item in assert_each_item_done_once(env, 4)] == [2] * 4
 

@@ -26,10 +26,8 @@ from polspec.store.engine import make_engine, session_scope
 from polspec.store.items import Worker, claim_item
 from polspec.store.migrate import upgrade
 from polspec.store.schema import Item, Result
-from polspec.worker import run as worker_run
-from polspec.worker.model_cache import ModelCache
-from polspec.worker.run import WorkerOptions, run_worker
-from conftest import resident_or_load, sqlite_url
+from conftest import sqlite_url
+from helpers import work
 
 PROMPTS = [
     "Jaka jest stolica Czech?", "Ile nóg ma pająk?", "Kto napisał „Pana Tadeusza”?", "Gdzie leży Zakopane?",
@@ -46,15 +44,6 @@ def env(sqlite_env: dict[str, str]) -> dict[str, str]:
 def cli(env: dict[str, str], *args: str) -> tuple[int, str]:
     result = CliRunner().invoke(main, list(args), env=env)
     return result.exit_code, result.output
-
-
-def work(env: dict[str, str], **options) -> bool:
-    """A burst worker in this process, on the session's loaded models: what loading them in a
-    worker does is the subprocess workers' part (test_faults)."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(worker_run, "ModelCache", lambda: ModelCache(loader=resident_or_load))
-        return run_worker(WorkerOptions(burst=True, log_level="WARNING", **options),
-                          db_url=env["POLSPEC_DB_URL"], redis_url=env["POLSPEC_REDIS_URL"])
 
 
 def write_prompts(path: Path) -> Path:

@@ -26,7 +26,7 @@ from polspec.report.summary import CellKey, Pair, Row, SweepReport, cell_row, pr
 from polspec.report.summary import headline as summary_headline
 from polspec.store.engine import make_engine, session_scope
 from polspec.store.schema import Cell, Item, Result
-from helpers import start_worker, statuses, wait_for
+from helpers import start_worker, statuses, wait_for, work
 
 SMALL = """
 name = "small"
@@ -230,7 +230,7 @@ def test_small_sweep_runs_resumes_and_reports_numbers_recomputable_by_hand(env, 
     assert resumed["resumed"] and resumed["batch"] == queued["batch"] and resumed["done"] == len(before)
     # The queued items still have their jobs; only the killed worker's item needs a new one.
     assert resumed["enqueued"] in (0, 1)
-    start_worker(env, "--burst").communicate(timeout=300)
+    work(env)  # the restart, in this process
     rows = stored(env)
     assert all(result is not None for _, _, result in rows.values())
     assert {key: rows[key][2].id for key in before} == before  # finished items were not redone
@@ -460,7 +460,7 @@ def test_a_sweep_over_batch_sizes_decodes_each_cell_in_its_batches_and_reports_t
     code, output = cli(env, "enqueue", "sweep", "--config", str(sweep_file), "--json")
     assert code == 0 and json.loads(output)["items"] == 4 * 3, output
     sweep = json.loads(output)["batch"]
-    start_worker(env, "--burst", "--batch", "8").communicate(timeout=300)  # the cells' own batch sizes win
+    work(env, batch=8)  # the cells' own batch sizes win
     rows = stored(env)
     assert all(result is not None for _, _, result in rows.values())
     for cell, _, result in rows.values():

@@ -27,7 +27,7 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from polspec.errors import PolspecError
 from polspec.models.fetch import fetch_wheel_source
-from polspec.models.registry import Registry, load_registry, parse_registry
+from polspec.models.registry import Registry, parse_registry
 from polspec.models.sources import parse_source
 from polspec.models.tokenizers import (
     LLAMA3_SPECIAL_TOKENS,
@@ -125,17 +125,6 @@ FAMILIES = {
 ALIASES = tuple(FAMILIES)
 CHAT_ALIASES = tuple(alias for alias, family in FAMILIES.items() if family.user_turn)
 GGUF_ALIASES = ("qwen2.5-coder-1.5b", "smollm2-135m", "gemma3-270m")
-
-
-@pytest.fixture(scope="session")
-def registry() -> Registry:
-    return load_registry()
-
-
-@pytest.fixture(scope="session")
-def tokenizer_of(registry: Registry) -> Callable[[str], PreTrainedTokenizerFast]:
-    """``alias -> tokenizer``, each fetched (downloaded, imported) and loaded once per session."""
-    return functools.cache(lambda alias: load_tokenizer(alias, registry))
 
 
 @pytest.fixture(scope="session")

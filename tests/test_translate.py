@@ -11,7 +11,6 @@ from hypothesis import strategies as st
 
 from polspec.decoding.fidelity import Fidelity, oracle_fidelity
 from polspec.decoding.translate import complete_utf8, encode_after, extend_tokens, token_bytes, translate_draft_to_target
-from polspec.models.tokenizers import load_tokenizer
 
 FAMILIES = ["tok:mistral-32k", "tok:llama3", "qwen2.5-coder-1.5b", "smollm2-135m", "gemma3-270m"]
 PAIRS = [("tok:mistral-32k", draft) for draft in ("qwen2.5-coder-1.5b", "tok:llama3", "smollm2-135m", "gemma3-270m")] + [
@@ -21,8 +20,8 @@ POLISH = "aąbcćdeęfghijklłmnńoóprsśtuwyzźżAĄCĆEĘLŁNŃOÓSŚZŹŻ ,.
 
 
 @pytest.fixture(scope="module")
-def tables():
-    return {alias: token_bytes(load_tokenizer(alias)) for alias in FAMILIES}
+def tables(tokenizer_of):
+    return {alias: token_bytes(tokenizer_of(alias)) for alias in FAMILIES}
 
 
 def polish_texts() -> list[str]:

@@ -28,6 +28,7 @@ class AcceptanceEstimate:
 
     successes: float = 1.0
     failures: float = 1.0
+    rounds: int = 0  # rounds observed, the prior's aside
 
     @property
     def a(self) -> float:
@@ -43,6 +44,7 @@ class AcceptanceEstimate:
     def observe(self, accepted: int, candidates: int) -> None:
         self.successes += accepted
         self.failures += 1 if accepted < candidates else 0
+        self.rounds += 1
 
     def prior(self, weight: float = PRIOR_WEIGHT) -> AcceptanceEstimate:
         """A new estimate with this one's mean and at most ``weight`` pseudo-counts."""

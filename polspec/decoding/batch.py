@@ -41,7 +41,7 @@ from polspec.decoding.draft_head import DraftHead, vocabulary_size
 from polspec.decoding.draft_vocab import draft_head
 from polspec.decoding.metrics import DecodeMetrics
 from polspec.decoding.params import DecodingParams
-from polspec.decoding.policy import DraftLength
+from polspec.decoding.policy import DraftLength, shared_auto_k
 from polspec.decoding.prompts import Prompt, encode_request
 from polspec.decoding.sampling import sequence_seed, token_sampler
 from polspec.decoding.speculative import DraftText, settle_round, translate_proposal, translation_tables
@@ -150,10 +150,10 @@ class BatchDecoder:
             return []
         batch = len(self.rows)
         auto = [s.policy for s in self.rows if s.policy is not None and s.policy.mode == "auto"]
-        if auto:
-            costs = self.probe.at_batch(batch)
+        if auto and batch > 1:
+            k = shared_auto_k(auto, self.probe.at_batch(batch), batch)
             for policy in auto:
-                policy.use_probe(costs)
+                policy.k = min(k, policy.k_max)
 
         clock = time.perf_counter()
         cold = [row for row, s in enumerate(self.rows) if s.policy and s.policy.k and not s.draft_warm]

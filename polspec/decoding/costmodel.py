@@ -178,7 +178,18 @@ def break_even_acceptance(probe: Probe, k: int, ratio: float = 1.0) -> float | N
 
 def best_k(probe: Probe, a: float, k_max: int, ratio: float = 1.0) -> int:
     """The k in 0..k_max with the highest predicted speedup; 0 (plain decoding) when none pays."""
-    return max(range(k_max + 1), key=lambda k: (predicted_speedup(probe, a, k, ratio), -k))
+    return best_shared_k(probe, [a], k_max, ratio)
+
+
+def best_shared_k(probe: Probe, acceptances: list[float], k_max: int, ratio: float = 1.0) -> int:
+    """The one k for rows verified together (``probe`` seen at their batch size), each at its
+    own acceptance (0 for a row that does not draft): a batched round costs the whole batch
+    whichever rows draft, so it pays only if the tokens of all rows do. 0 when none pays."""
+    def speedup(k: int) -> float:
+        tokens = sum(expected_tokens(a, candidates_for(k, ratio)) for a in acceptances) / len(acceptances)
+        return tokens / round_cost(probe, k, ratio)
+
+    return max(range(k_max + 1), key=lambda k: (speedup(k), -k))
 
 
 def can_pay(probe: Probe, k_max: int, ratio: float = 1.0) -> bool:

@@ -7,7 +7,7 @@ from polspec import backend  # noqa: F401  (before mlx: the Linux BLAS fix)
 import mlx.core as mx
 
 from polspec.decoding.acceptance import AcceptanceEstimate
-from polspec.decoding.costmodel import Probe, best_k
+from polspec.decoding.costmodel import Probe, best_k, best_shared_k
 from polspec.decoding.params import DecodingParams
 
 
@@ -45,13 +45,6 @@ class DraftLength:
         (its draft probability is below the threshold), lazily: a boolean array."""
         return mx.softmax(logits, axis=-1)[index] < self.threshold
 
-    def use_probe(self, probe: Probe) -> None:
-        """Cost the rounds to come with ``probe`` (``auto`` in a batch whose size changed),
-        choosing k again from it."""
-        if probe != self.probe:
-            self.probe = probe
-            self.k = self._choose()
-
     def observe(self, accepted: int, candidates: int, proposed: int) -> None:
         if self.mode == "heuristic":
             self.k = min(self.k + 2, self.k_max) if candidates and accepted == candidates else max(self.k - 1, 1)
@@ -64,6 +57,11 @@ class DraftLength:
                 self.proposed += proposed
             self.k = self._choose()
 
+    @property
+    def ratio(self) -> float:
+        """Target candidates per draft token so far."""
+        return self.candidates / self.proposed
+
     def _choose(self) -> int:
         """The best k at the sequence's estimated acceptance; where that is 0, the best k at
         the estimate's upper bound (exploring). Each failed exploration lowers the bound, so a
@@ -72,6 +70,21 @@ class DraftLength:
         warm, not spread over the generation with a catch-up each time. Where even an
         optimistic acceptance cannot pay it never explores (the demo pair on a CPU, where the
         draft step is most of a target step)."""
-        ratio = self.candidates / self.proposed
-        return (best_k(self.probe, self.estimate.a, self.k_max, ratio)
-                or best_k(self.probe, self.estimate.upper_bound(), self.k_max, ratio))
+        return (best_k(self.probe, self.estimate.a, self.k_max, self.ratio)
+                or best_k(self.probe, self.estimate.upper_bound(), self.k_max, self.ratio))
+
+
+def shared_auto_k(policies: list[DraftLength], probe: Probe, rows: int) -> int:
+    """One k for the ``auto`` rows of a batch of ``rows`` sequences, ``probe`` seen at that
+    size: the best for the batch at each row's estimated acceptance, the other rows counted
+    as drafting nothing (see :func:`~polspec.decoding.costmodel.best_shared_k`).
+
+    A batch speculates on evidence only: it does not explore, and a row counts as drafting
+    nothing until it or the pair's pool has seen a round. In a batch one row's exploration
+    costs every row a wider verification, and the first round a row drafts feeds the draft
+    its whole prompt; a row alone explores (:meth:`DraftLength._choose`)."""
+    k_max = max(policy.k_max for policy in policies)
+    ratio = sum(policy.ratio for policy in policies) / len(policies)
+    acceptances = [policy.estimate.a if policy.estimate.rounds or policy.pooled.rounds else 0.0
+                   for policy in policies]
+    return best_shared_k(probe, acceptances + [0.0] * (rows - len(policies)), k_max, ratio)
