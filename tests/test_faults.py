@@ -80,7 +80,7 @@ def test_worker_killed_mid_item_then_restarted_does_every_item_once(env):
 def test_redis_restarted_mid_batch_loses_nothing(redis_server, tmp_path):
     env = {"POLSPEC_DB_URL": sqlite_url(tmp_path), "POLSPEC_REDIS_URL": redis_server.url}
     enqueue(env, limit=6, max_tokens=16)
-    worker = start_worker(env, "--burst")
+    worker = start_worker(env, "--burst", "--batch", "2")  # three batches: the restart comes after the first
     wait_for(lambda: statuses(env).get("done", 0) >= 2, 240, "two items done")
     redis_server.restart()
     finish(worker)
