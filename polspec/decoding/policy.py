@@ -22,7 +22,8 @@ class DraftLength:
     - ``auto``: the k in 0..``k_max`` with the highest speedup the cost model predicts from
       the machine's ``probe`` and the sequence's own running acceptance estimate, which
       starts from the pair's ``pooled`` one and adds to it what it sees; 0 means a plain
-      target step (see :mod:`polspec.decoding.costmodel`).
+      target step (see :mod:`polspec.decoding.costmodel`). In a batch of several sequences
+      the batch decoder sets k for all its ``auto`` rows at once (:func:`shared_auto_k`).
     """
 
     def __init__(self, params: DecodingParams, probe: Probe | None = None,
