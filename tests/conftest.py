@@ -64,10 +64,24 @@ def resident_model(alias: str) -> LoadedModel:
     return load_model(alias)
 
 
-def resident_or_load(alias: str) -> LoadedModel:
-    """A worker's model loader in tests: the session's copy of the models the fixtures give,
-    a fresh load for any other alias (a test's own registry entry, a broken one)."""
-    return resident_model(alias) if alias in ("smollm2-135m", "gemma3-270m") else load_model(alias)
+RESIDENT = ("smollm2-135m", "gemma3-270m")  # the models the fixtures give
+
+
+def resident_or_load(alias: str, **options) -> LoadedModel:
+    """A model loader in tests: the session's copy of a ``RESIDENT`` model, a fresh load for
+    any other alias (a test's own registry entry, a broken one)."""
+    return resident_model(alias) if alias in RESIDENT else load_model(alias, **options)
+
+
+@pytest.fixture(autouse=True)
+def fresh_acceptance_estimates() -> Iterator[None]:
+    """Each test starts with no pooled acceptance estimates, whatever ran before it in this
+    process (in-process workers and decoders with ``k = auto`` add to them)."""
+    from polspec.decoding import acceptance
+
+    acceptance._ESTIMATES.clear()
+    yield
+    acceptance._ESTIMATES.clear()
 
 
 @pytest.fixture

@@ -15,7 +15,6 @@ from click.testing import CliRunner
 from sqlalchemy import func, select
 
 from polspec.cli import main
-
 from polspec.store.engine import make_engine, session_scope
 from polspec.store.schema import Item
 from polspec.worker import run as worker_run

@@ -18,7 +18,8 @@ PRIOR_WEIGHT = 2.0
 
 @dataclass
 class AcceptanceEstimate:
-    """A running estimate of per-candidate acceptance for one pair and strategy.
+    """A running estimate of per-candidate acceptance: pooled for a pair and strategy, or one
+    sequence's own.
 
     Each round adds its accepted candidates as successes and, if it stopped at a rejection,
     one failure: the maximum-likelihood estimate of a geometric acceptance process, which a
@@ -28,7 +29,7 @@ class AcceptanceEstimate:
 
     successes: float = 1.0
     failures: float = 1.0
-    rounds: int = 0  # rounds observed, the prior's aside
+    rounds: int = 0  # rounds observed, not counting the prior
 
     @property
     def a(self) -> float:

@@ -9,7 +9,8 @@
 On bandwidth-bound hardware one forward over B sequences costs little more than over one,
 so a round runs every sequence at once: one batched draft forward per draft step, one
 batched target forward for verification (or for a plain step). Each sequence keeps its own
-prompt length, parameters, draft length, acceptance and KV length: the caches are ragged
+prompt length, parameters, acceptance and KV length (and draft length, bar ``auto``, whose
+rows share one k per round): the caches are ragged
 (:mod:`polspec.decoding.batch_kv`), rows are trimmed one by one after verification.
 
 Continuous batching: :meth:`BatchDecoder.add` queues a sequence, which is prefilled and joins
@@ -88,8 +89,10 @@ class BatchDecoder:
     """A long-lived decoder that sequences join and leave between rounds.
 
     ``draft=None`` decodes target-only; with a draft every sequence is speculative with its
-    own ``params.k`` policy (``auto`` chooses k from ``probe`` viewed at the batch size of
-    each round, and decodes a sequence without the draft where no k can pay at that size).
+    own ``params.k`` policy. ``auto`` rows share one k per round, chosen from ``probe`` viewed
+    at the round's batch size on what the pair has shown (:func:`~polspec.decoding.policy.shared_auto_k`:
+    a fresh process that only decodes batches never drafts), their own choice when alone; a
+    sequence decodes without the draft where no k can pay at any batch size.
     ``max_batch`` caps how many sequences decode together (default: what memory holds
     for ``longest`` tokens a sequence, see :func:`max_batch_size`).
     """

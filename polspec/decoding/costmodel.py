@@ -26,6 +26,7 @@ This module is the :class:`Probe` data and arithmetic on it, free of models and 
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import asdict, dataclass, field
 
 RHO_SIZES = 9  # rho(m) is measured for m = 1..9 and extrapolated linearly beyond
@@ -185,11 +186,10 @@ def best_shared_k(probe: Probe, acceptances: list[float], k_max: int, ratio: flo
     """The one k for rows verified together (``probe`` seen at their batch size), each at its
     own acceptance (0 for a row that does not draft): a batched round costs the whole batch
     whichever rows draft, so it pays only if the tokens of all rows do. 0 when none pays."""
-    def speedup(k: int) -> float:
-        tokens = sum(expected_tokens(a, candidates_for(k, ratio)) for a in acceptances) / len(acceptances)
-        return tokens / round_cost(probe, k, ratio)
-
-    return max(range(k_max + 1), key=lambda k: (speedup(k), -k))
+    if not acceptances:
+        raise ValueError("a shared k needs the acceptance of at least one row")
+    return max(range(k_max + 1),
+               key=lambda k: (statistics.fmean(predicted_speedup(probe, a, k, ratio) for a in acceptances), -k))
 
 
 def can_pay(probe: Probe, k_max: int, ratio: float = 1.0) -> bool:

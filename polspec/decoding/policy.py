@@ -80,12 +80,14 @@ def shared_auto_k(policies: list[DraftLength], probe: Probe, rows: int) -> int:
     size: the best for the batch at each row's estimated acceptance, the other rows counted
     as drafting nothing (see :func:`~polspec.decoding.costmodel.best_shared_k`).
 
-    A batch speculates on evidence only: it does not explore, and a row counts as drafting
-    nothing until it or the pair's pool has seen a round. In a batch one row's exploration
-    costs every row a wider verification, and the first round a row drafts feeds the draft
-    its whole prompt; a row alone explores (:meth:`DraftLength._choose`)."""
+    A batch speculates on evidence only: it does not explore, a row that has seen no round
+    counts at the pool's acceptance as it stands now, and as drafting nothing while the pool
+    has seen none either. In a batch one row's exploration costs every row a wider
+    verification, and the first round a row drafts feeds the draft its whole prompt; a row
+    alone explores (:meth:`DraftLength._choose`). Rows are costed at the largest ``k_max``
+    among them (one batch's rows usually share their parameters)."""
     k_max = max(policy.k_max for policy in policies)
     ratio = sum(policy.ratio for policy in policies) / len(policies)
-    acceptances = [policy.estimate.a if policy.estimate.rounds or policy.pooled.rounds else 0.0
+    acceptances = [policy.estimate.a if policy.estimate.rounds else policy.pooled.a if policy.pooled.rounds else 0.0
                    for policy in policies]
     return best_shared_k(probe, acceptances + [0.0] * (rows - len(policies)), k_max, ratio)

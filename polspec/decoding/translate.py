@@ -190,7 +190,7 @@ class Translation:
 
     candidates: list[int]
     boundary_miss: bool = False  # the window's text agreed but re-encoded to other ids
-    held_back: int = 0  # proposal bytes not among the candidates (an incomplete character, a trailing space, a held word)
+    held_back: int = 0  # proposal bytes not among the candidates (an incomplete character, a trailing space, a held word, the cap)
 
 
 def translate_draft_to_target(
