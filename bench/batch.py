@@ -16,7 +16,8 @@ ratio to batched target-only decoding at the same B. With ``--repeats N`` the ba
 configurations at each B run N times, interleaved, and each row is the median run (every
 run's tokens/s in the last column): the way to tell a few percent from this machine's drift.
 `auto` needs the pair's probe with its
-batch table (measured first when missing). Prints Markdown; progress to stderr.
+batch table (measured first when missing); every run starts with no pooled acceptance
+estimate, as a fresh process does. Prints Markdown; progress to stderr.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import mlx.core as mx
 from mlx_lm import batch_generate
 
 from polspec.decoding import DecodingParams, generate
+from polspec.decoding.acceptance import forget_estimates
 from polspec.decoding.batch import BatchDecoder
 from polspec.decoding.run import stored_probe
 from polspec.jobs.datasets import load_dataset
@@ -57,6 +59,7 @@ def run_one_at_a_time(target, prompts, max_tokens):
 
 
 def run_batched(target, draft, prompts, max_tokens, k, batch, probe):
+    forget_estimates()  # every run starts as a fresh process would, knowing nothing of the pair's acceptance
     decoder = BatchDecoder(target, draft, max_batch=batch, probe=probe)
     for index, prompt in enumerate(prompts):
         decoder.add(index, prompt, DecodingParams(max_tokens=max_tokens, k=k), chat=False)

@@ -77,11 +77,11 @@ def resident_or_load(alias: str, **options) -> LoadedModel:
 def fresh_acceptance_estimates() -> Iterator[None]:
     """Each test starts with no pooled acceptance estimates, whatever ran before it in this
     process (in-process workers and decoders with ``k = auto`` add to them)."""
-    from polspec.decoding import acceptance
+    from polspec.decoding.acceptance import forget_estimates
 
-    acceptance._ESTIMATES.clear()
+    forget_estimates()
     yield
-    acceptance._ESTIMATES.clear()
+    forget_estimates()
 
 
 @pytest.fixture

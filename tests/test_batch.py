@@ -8,6 +8,7 @@ from collections import Counter
 import pytest
 
 from polspec.decoding import DecodingParams, generate
+from polspec.decoding.acceptance import forget_estimates
 from polspec.decoding.batch import BatchDecoder, max_batch_size, stream_batch
 from polspec.decoding.costmodel import BatchCost, Probe
 from polspec.decoding.run import encode_prompt
@@ -161,6 +162,35 @@ def test_a_row_feeds_the_draft_its_prompt_only_when_it_first_proposes(gemma3, sm
     assert tokens[0] == single(gemma3, 0)
     assert_same_or_float_tie(gemma3, PROMPTS[1], generate(gemma3, None, PROMPTS[1], DecodingParams(max_tokens=16),
                                                          chat=False).token_ids, tokens[1])
+
+
+def test_a_fresh_batch_drafts_on_the_prior_only_where_it_pays_back_the_draft_warm_up(gemma3, smollm2, single):
+    """auto on a probe where the pair's prior (a = 0.5) pays two at a time: with nothing seen
+    yet, both rows draft from the first round, still lossless; but not where feeding the
+    draft their prompts costs more than that speedup saves over the tokens they ask for."""
+    def first_round(feed_s: float) -> tuple[list, BatchDecoder]:
+        table = (BatchCost(1, (0.10,) * 5, 0.001), BatchCost(2, (0.10, 0.11, 0.12, 0.13, 0.15), 0.002),
+                 BatchCost(16, (0.50,) * 5, 16 * feed_s))  # the widest draft step prices the warm-up
+        probe = Probe(gemma3.entry.alias, smollm2.entry.alias, c=0.01, rho=(1.0,) * 9, tau=0.0,
+                      target_step_s=0.10, draft_step_s=0.001, batch=table)
+        forget_estimates()
+        decoder = BatchDecoder(gemma3, smollm2, max_batch=2, probe=probe)
+        for index in (1, 4):
+            decoder.add(index, PROMPTS[index], DecodingParams(max_tokens=max_tokens(index), k="auto"), chat=False)
+        return decoder.step(), decoder
+
+    events, decoder = first_round(0.001)  # 1 ms a prompt token: the warm-up is a fraction of a step
+    assert [event.metrics.draft_tokens > 0 for event in events] == [True, True]
+    tokens = {event.key: event.commit.tokens for event in events}
+    while decoder:
+        for event in decoder.step():
+            tokens[event.key] += event.commit.tokens if event.commit else []
+    for index in (1, 4):
+        assert_same_or_float_tie(gemma3, PROMPTS[index], single(gemma3, index), tokens[index])
+
+    events, decoder = first_round(0.010)  # 10 ms a token: several steps, more than a few tokens save
+    assert [event.metrics.draft_tokens for event in events] == [0, 0]
+    assert decoder.cached_lengths()[1] == [0, 0]
 
 
 def test_batched_speculative_sampling_keeps_the_target_distribution(gemma3, smollm2):

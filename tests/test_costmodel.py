@@ -12,7 +12,7 @@ from polspec.decoding import DecodingParams, generate, run
 from polspec.decoding.acceptance import PRIOR_WEIGHT, AcceptanceEstimate, acceptance_estimate
 from polspec.decoding.costmodel import (
     BATCH_POSITIONS, BATCH_SIZES, PROBE_FORMAT, BatchCost, Probe, best_k, best_shared_k, break_even_acceptance, can_pay,
-    expected_tokens, predicted_speedup, predicted_speedup_of_rounds, round_cost, throughput_batch_size,
+    expected_tokens, predicted_speedup, predicted_speedup_of_rounds, round_cost, shared_speedup, throughput_batch_size,
 )
 from polspec.decoding.draft_vocab import DEFAULT_SIZE
 from polspec.decoding.measure import measure_probe
@@ -136,12 +136,15 @@ def test_one_k_for_a_batch_pays_only_if_the_tokens_of_every_row_do():
     assert best_shared_k(batched, [0.8] * 4 + [0.0] * 4, 4) == 0
 
 
-def test_a_batch_speculates_on_evidence_never_on_the_prior_alone():
+def test_a_batch_of_new_rows_drafts_on_the_prior_only_where_it_pays_back_the_draft_warm_up():
     batched = flat(0.1, rho=(1.0, 1.1) + (1.2,) * 7)  # k = 1 pays from a = 0.2 on
     fresh = AcceptanceEstimate()  # a = 0.5, but no round seen
     rows = [DraftLength(DecodingParams(k="auto"), batched, fresh) for _ in range(4)]
-    assert rows[0].k > 0  # alone, a row explores
-    assert shared_auto_k(rows, batched, 4) == 0  # together, not on the prior alone
+    k = shared_auto_k(rows, batched, 4, remaining=64, warm_up=2.0)
+    saved = 64 * (1 - 1 / shared_speedup(batched, [0.5] * 4, k))  # plain steps the prior says k saves
+    assert k > 0 and saved > 2.0
+    assert shared_auto_k(rows, batched, 4, remaining=64, warm_up=saved + 0.01) == 0  # the warm-up eats the gain
+    assert shared_auto_k(rows, batched, 4, remaining=4, warm_up=2.0) == 0  # too few tokens left to earn it back
     rows[0].observe(0, 2, 2)  # one row's round, rejected: the rows that saw none count at the pool's mean
     assert fresh.rounds == 1 and fresh.a == pytest.approx(1 / 3) and rows[0].estimate.a == pytest.approx(1 / 3)
     assert shared_auto_k(rows, batched, 4) > 0  # 1/3 still pays here
@@ -151,6 +154,14 @@ def test_a_batch_speculates_on_evidence_never_on_the_prior_alone():
     assert shared_auto_k(rows, batched, 4) == 0
     rows[0].observe(2, 2, 2)
     assert shared_auto_k(rows[:1], batched, 40) == 0  # 39 rows beside it that draft nothing
+
+
+def test_the_draft_warm_up_is_costed_from_the_widest_batched_draft_step():
+    table = (BatchCost(1, (0.10,) * 5, 0.02), BatchCost(2, (0.12,) * 5, 0.024), BatchCost(4, (0.20,) * 5, 0.04))
+    probe = Probe("t", "d", c=0.2, rho=(1.0,) * 9, tau=0.0, target_step_s=0.10, draft_step_s=0.02, batch=table)
+    assert probe.draft_feed_steps(50, 2) == pytest.approx(50 * 0.01 / 0.12)  # 10 ms a token, in steps of 0.12 s
+    assert probe.draft_feed_steps(50, 4) == pytest.approx(50 * 0.01 / 0.20)
+    assert flat(0.2).draft_feed_steps(50, 4) == pytest.approx(10.0)  # no batch table: a draft step per token
 
 
 def test_auto_never_explores_where_no_plausible_acceptance_pays():

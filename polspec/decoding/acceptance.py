@@ -69,3 +69,9 @@ def acceptance_estimate(target: str, draft: str, params: DecodingParams) -> Acce
     else:
         translation = f"aligned/{params.partial_word}" if params.strategy == "aligned" else params.strategy
     return _ESTIMATES.setdefault((target, draft, translation), AcceptanceEstimate())
+
+
+def forget_estimates() -> None:
+    """Drop every pooled estimate, as a fresh process starts (for benchmarks and tests that
+    measure a cold start)."""
+    _ESTIMATES.clear()

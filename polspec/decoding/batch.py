@@ -26,6 +26,7 @@ rounding of batched matrix products (ties, shown by the tests).
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
@@ -90,8 +91,9 @@ class BatchDecoder:
 
     ``draft=None`` decodes target-only; with a draft every sequence is speculative with its
     own ``params.k`` policy. ``auto`` rows share one k per round, chosen from ``probe`` viewed
-    at the round's batch size on what the pair has shown (:func:`~polspec.decoding.policy.shared_auto_k`:
-    a fresh process that only decodes batches never drafts), their own choice when alone; a
+    at the round's batch size on what the pair has shown, and only where it pays back the
+    draft's first feed of their prompts (:func:`~polspec.decoding.policy.shared_auto_k`);
+    alone, a row makes its own choice; a
     sequence decodes without the draft where no k can pay at any batch size.
     ``max_batch`` caps how many sequences decode together (default: what memory holds
     for ``longest`` tokens a sequence, see :func:`max_batch_size`).
@@ -152,11 +154,11 @@ class BatchDecoder:
         if not self.rows:
             return []
         batch = len(self.rows)
-        auto = [s.policy for s in self.rows if s.policy is not None and s.policy.mode == "auto"]
+        auto = [s for s in self.rows if s.policy is not None and s.policy.mode == "auto"]
         if auto and batch > 1:
-            k = shared_auto_k(auto, self.probe.at_batch(batch), batch)
-            for policy in auto:
-                policy.k = min(k, policy.k_max)
+            k = self._shared_k(auto, batch)
+            for sequence in auto:
+                sequence.policy.k = min(k, sequence.policy.k_max)
 
         clock = time.perf_counter()
         cold = [row for row, s in enumerate(self.rows) if s.policy and s.policy.k and not s.draft_warm]
@@ -231,6 +233,15 @@ class BatchDecoder:
             return None
         estimate = acceptance_estimate(self.target.entry.alias, self.draft.entry.alias, params)
         return DraftLength(params, self.probe.at_batch(1), estimate)
+
+    def _shared_k(self, auto: list[_Sequence], batch: int) -> int:
+        """The k of this round's ``auto`` rows in a batch of ``batch``
+        (:func:`~polspec.decoding.policy.shared_auto_k`), with the draft's warm-up for the
+        rows it would feed for the first time, over the tokens the rows have left on average."""
+        cold = sum(len(s.draft_text.sequence) - 1 for s in auto if not s.draft_warm)
+        remaining = statistics.fmean(s.params.max_tokens - len(s.committed) for s in auto)
+        return shared_auto_k([s.policy for s in auto], self.probe.at_batch(batch), batch, remaining,
+                             self.probe.draft_feed_steps(cold, batch))
 
     def _join(self) -> None:
         joining = []

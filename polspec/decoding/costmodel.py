@@ -85,6 +85,18 @@ class Probe:
                      draft_overhead=self.draft_overhead * seconds / step, target_step_s=step, draft_step_s=draft,
                      machine=self.machine, draft_vocab=self.draft_vocab)
 
+    def draft_feed_steps(self, tokens: int, size: int) -> float:
+        """Estimated cost of the draft taking in ``tokens`` tokens of text, as a row's first
+        proposal feeds it the row's prompt, in plain steps of a batch of ``size``: per token,
+        what one sequence costs in the widest batched draft step of the batch table (a wide
+        forward too, one that also computes its output layer at every position: an
+        overestimate); without a batch table, a draft step per token. For a probe as
+        measured, not one :meth:`at_batch` made."""
+        if not self.batch:
+            return tokens * self.c
+        widest = max(self.batch, key=lambda cost: cost.size)
+        return tokens * widest.draft_s / widest.size / self.at_batch(size).target_step_s
+
     def rho_at(self, m: int) -> float:
         """rho(m), extrapolated linearly from the last two measured sizes beyond them."""
         if m < 1:
@@ -188,8 +200,19 @@ def best_shared_k(probe: Probe, acceptances: list[float], k_max: int, ratio: flo
     whichever rows draft, so it pays only if the tokens of all rows do. 0 when none pays."""
     if not acceptances:
         raise ValueError("a shared k needs the acceptance of at least one row")
-    return max(range(k_max + 1),
-               key=lambda k: (statistics.fmean(predicted_speedup(probe, a, k, ratio) for a in acceptances), -k))
+    return max(range(k_max + 1), key=lambda k: (shared_speedup(probe, acceptances, k, ratio), -k))
+
+
+def shared_speedup(probe: Probe, acceptances: list[float], k: int, ratio: float = 1.0) -> float:
+    """S of rows verified together with ``k`` draft tokens each, at their own acceptances:
+    the mean of their speedups, as every row pays the same round."""
+    return statistics.fmean(predicted_speedup(probe, a, k, ratio) for a in acceptances)
+
+
+def pays_back(speedup: float, tokens: float, warm_up: float) -> bool:
+    """Whether decoding ``tokens`` more tokens at ``speedup`` over plain decoding saves more
+    than a one-off ``warm_up`` costs, both in plain steps: ``tokens (1 - 1/S) > warm_up``."""
+    return tokens * (1 - 1 / speedup) > warm_up
 
 
 def can_pay(probe: Probe, k_max: int, ratio: float = 1.0) -> bool:

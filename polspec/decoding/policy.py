@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
+
 from polspec import backend  # noqa: F401  (before mlx: the Linux BLAS fix)
 
 import mlx.core as mx
 
 from polspec.decoding.acceptance import AcceptanceEstimate
-from polspec.decoding.costmodel import Probe, best_k, best_shared_k
+from polspec.decoding.costmodel import Probe, best_k, best_shared_k, pays_back, shared_speedup
 from polspec.decoding.params import DecodingParams
 
 
@@ -75,19 +77,27 @@ class DraftLength:
                 or best_k(self.probe, self.estimate.upper_bound(), self.k_max, self.ratio))
 
 
-def shared_auto_k(policies: list[DraftLength], probe: Probe, rows: int) -> int:
+def shared_auto_k(policies: list[DraftLength], probe: Probe, rows: int, remaining: float = math.inf,
+                  warm_up: float = 0.0) -> int:
     """One k for the ``auto`` rows of a batch of ``rows`` sequences, ``probe`` seen at that
     size: the best for the batch at each row's estimated acceptance, the other rows counted
-    as drafting nothing (see :func:`~polspec.decoding.costmodel.best_shared_k`).
+    as drafting nothing (see :func:`~polspec.decoding.costmodel.best_shared_k`), and 0
+    unless it pays back ``warm_up`` within the ``remaining`` tokens a row has left, both in
+    batched plain steps (:func:`~polspec.decoding.costmodel.pays_back`).
 
-    A batch speculates on evidence only: it does not explore, a row that has seen no round
-    counts at the pool's acceptance as it stands now, and as drafting nothing while the pool
-    has seen none either. In a batch one row's exploration costs every row a wider
-    verification, and the first round a row drafts feeds the draft its whole prompt; a row
-    alone explores (:meth:`DraftLength._choose`). Rows are costed at the largest ``k_max``
-    among them (one batch's rows usually share their parameters)."""
+    ``warm_up`` is the draft's first feed of the prompts of rows that have not drafted yet,
+    which a batch pays once and a short generation or a slim speedup cannot earn back. A row
+    that has seen no round counts at the pool's acceptance as it stands: in a fresh process
+    the pair's weak prior (a = 0.5), so a batch of new rows drafts where that would pay with
+    room for the warm-up. It does not explore past its estimates, as a row alone does
+    (:meth:`DraftLength._choose`): in a batch one row's exploration costs every row a wider
+    verification. Rows are costed at the largest ``k_max`` among them (one batch's rows
+    usually share their parameters)."""
     k_max = max(policy.k_max for policy in policies)
     ratio = sum(policy.ratio for policy in policies) / len(policies)
-    acceptances = [policy.estimate.a if policy.estimate.rounds else policy.pooled.a if policy.pooled.rounds else 0.0
-                   for policy in policies]
-    return best_shared_k(probe, acceptances + [0.0] * (rows - len(policies)), k_max, ratio)
+    acceptances = [policy.estimate.a if policy.estimate.rounds else policy.pooled.a for policy in policies]
+    acceptances += [0.0] * (rows - len(policies))
+    k = best_shared_k(probe, acceptances, k_max, ratio)
+    if k and not pays_back(shared_speedup(probe, acceptances, k, ratio), remaining, warm_up):
+        return 0
+    return k
