@@ -9,7 +9,7 @@ import math
 import pytest
 
 from polspec.decoding import DecodingParams, generate, run
-from polspec.decoding.acceptance import PRIOR_WEIGHT, AcceptanceEstimate, acceptance_estimate
+from polspec.decoding.acceptance import PLAIN_HALF_LIFE, PRIOR_WEIGHT, AcceptanceEstimate, acceptance_estimate
 from polspec.decoding.costmodel import (
     BATCH_POSITIONS, BATCH_SIZES, PROBE_FORMAT, BatchCost, Probe, best_k, best_shared_k, break_even_acceptance, can_pay,
     expected_tokens, predicted_speedup, predicted_speedup_of_rounds, round_cost, shared_speedup, throughput_batch_size,
@@ -97,18 +97,44 @@ def test_throughput_batch_size_stops_where_a_larger_batch_gains_under_ten_percen
     assert throughput_batch_size(None) == throughput_batch_size(table()) == BATCH_SIZES[-1]
 
 
-def test_auto_explores_from_the_first_round_only_while_an_optimistic_acceptance_could_pay():
+def test_auto_explores_at_once_and_again_after_plain_stretches_until_the_pool_rules_it_out():
     cheap = flat(0.1, rho=(1.0, 1.1) + (1.2,) * 7)  # k = 1 pays from a = 0.2 on
     pooled = AcceptanceEstimate(1, 9)  # a = 0.1: plain decoding, but 0.2 is still plausible
     policy = DraftLength(DecodingParams(k="auto"), cheap, pooled)
     ks = []
-    for _ in range(64):
+    for _ in range(400):
         ks.append(policy.k)
         policy.observe(0, 0, 0) if policy.k == 0 else policy.observe(0, 2, 1)  # every exploration fails
     explored = [round_ for round_, k in enumerate(ks) if k > 0]
-    assert explored == list(range(len(explored))) and 1 <= len(explored) <= 4  # at once, in one stretch
-    assert policy.estimate.upper_bound() < 0.2  # the failures made even an optimistic acceptance too low
+    starts = [round_ for round_ in explored if round_ == 0 or ks[round_ - 1] == 0]
+    gaps = [later - earlier for earlier, later in zip(starts, starts[1:])]
+    assert starts[0] == 0 and len(starts) >= 3  # at once, then again once plain rounds aged the failures
+    assert gaps == sorted(gaps) and gaps[-1] > gaps[0]  # later each time, as the pool learns them too
+    assert explored[-1] < 300 and policy.k == 0  # then never: even the pool's own bound cannot pay
+    assert best_k(cheap, pooled.prior().upper_bound(), policy.k_max, policy.ratio) == 0
     assert (pooled.successes, pooled.failures) == (1, 9 + len(explored))  # the pool learns what the sequence saw
+
+
+def test_plain_rounds_age_a_sequences_evidence_toward_the_pool():
+    pooled = AcceptanceEstimate(3, 7)
+    own = AcceptanceEstimate(0.6, 6.4)  # the pool's prior (0.6, 1.4) and five failures since
+    own.age(pooled.prior(), PLAIN_HALF_LIFE)
+    assert (own.successes, own.failures) == pytest.approx((0.6, 1.4 + 5 / 2))  # half the distance in a half-life
+    own.age(pooled.prior(), 40 * PLAIN_HALF_LIFE)
+    assert own.a == pytest.approx(pooled.a) and own.rounds == 0  # no round of its own was observed
+
+
+def test_auto_drafts_only_where_the_round_pays_back_the_draft_catch_up():
+    cheap = flat(0.1, rho=(1.0, 1.1) + (1.2,) * 7)  # no batch table: a token fed costs a draft step
+    policy = DraftLength(DecodingParams(k="auto"), cheap, AcceptanceEstimate(8, 2))
+    k = policy.k
+    saved = 32 * (1 - 1 / predicted_speedup(cheap, policy.chosen_at, k, policy.ratio))  # plain steps over 32 tokens
+    assert k > 0 and policy.chosen_at == pytest.approx(0.8)
+    assert policy.k_within(32, 0) == k
+    assert policy.k_within(32, math.floor(saved / cheap.c) - 1) == k
+    assert policy.k_within(32, math.ceil(saved / cheap.c) + 1) == 0  # the catch-up costs more than k saves
+    assert policy.k_within(1, 0) == 1  # never past the tokens left
+    assert DraftLength(DecodingParams(k=3)).k_within(2, 10_000) == 2  # a fixed k drafts whatever it costs
 
 
 def test_a_sequence_starts_from_the_pooled_estimate_but_its_own_rounds_soon_outweigh_it():

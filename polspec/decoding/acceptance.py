@@ -15,6 +15,12 @@ from polspec.decoding.params import DecodingParams
 # ever drafting).
 PRIOR_WEIGHT = 2.0
 
+# In a plain round a sequence's own evidence ages: its weight beyond the pooled prior halves
+# over this many plain rounds. Acceptance within one text is not stationary (an answer's first
+# words may defeat the draft and its later lists not), and plain rounds bring no evidence of
+# their own, so without ageing a few early rejections would keep a sequence plain for good.
+PLAIN_HALF_LIFE = 16.0
+
 
 @dataclass
 class AcceptanceEstimate:
@@ -46,6 +52,13 @@ class AcceptanceEstimate:
         self.successes += accepted
         self.failures += 1 if accepted < candidates else 0
         self.rounds += 1
+
+    def age(self, toward: AcceptanceEstimate, rounds: float = 1.0) -> None:
+        """Let ``rounds`` plain rounds pass: move the counts toward ``toward``'s (the pooled
+        prior), halving the distance every :data:`PLAIN_HALF_LIFE` rounds."""
+        keep = 0.5 ** (rounds / PLAIN_HALF_LIFE)
+        self.successes = toward.successes + keep * (self.successes - toward.successes)
+        self.failures = toward.failures + keep * (self.failures - toward.failures)
 
     def prior(self, weight: float = PRIOR_WEIGHT) -> AcceptanceEstimate:
         """A new estimate with this one's mean and at most ``weight`` pseudo-counts."""

@@ -159,6 +159,10 @@ class BatchDecoder:
             k = self._shared_k(auto, batch)
             for sequence in auto:
                 sequence.policy.k = min(k, sequence.policy.k_max)
+        elif auto:  # a row alone: its own k, as one sequence decoded on its own
+            sequence = auto[0]
+            sequence.policy.k = sequence.policy.k_within(sequence.params.max_tokens - len(sequence.committed),
+                                                         sequence.draft_text.unfed)
 
         clock = time.perf_counter()
         cold = [row for row, s in enumerate(self.rows) if s.policy and s.policy.k and not s.draft_warm]
@@ -236,12 +240,14 @@ class BatchDecoder:
 
     def _shared_k(self, auto: list[_Sequence], batch: int) -> int:
         """The k of this round's ``auto`` rows in a batch of ``batch``
-        (:func:`~polspec.decoding.policy.shared_auto_k`), with the draft's warm-up for the
-        rows it would feed for the first time, over the tokens the rows have left on average."""
-        cold = sum(len(s.draft_text.sequence) - 1 for s in auto if not s.draft_warm)
+        (:func:`~polspec.decoding.policy.shared_auto_k`), over the tokens the rows have left on
+        average, with the draft's warm-up: the text it has not been fed beyond each row's
+        first position (the prompt of a row that has not proposed yet, the plain stretch of
+        one that has)."""
+        unfed = sum(s.draft_text.unfed for s in auto)
         remaining = statistics.fmean(s.params.max_tokens - len(s.committed) for s in auto)
         return shared_auto_k([s.policy for s in auto], self.probe.at_batch(batch), batch, remaining,
-                             self.probe.draft_feed_steps(cold, batch))
+                             self.probe.draft_feed_steps(unfed, batch))
 
     def _join(self) -> None:
         joining = []

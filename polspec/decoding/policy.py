@@ -9,7 +9,8 @@ from polspec import backend  # noqa: F401  (before mlx: the Linux BLAS fix)
 import mlx.core as mx
 
 from polspec.decoding.acceptance import AcceptanceEstimate
-from polspec.decoding.costmodel import Probe, best_k, best_shared_k, pays_back, shared_speedup
+from polspec.decoding.costmodel import (Probe, best_k, best_shared_k, pays_back, predicted_speedup,
+                                        shared_speedup)
 from polspec.decoding.params import DecodingParams
 
 
@@ -23,8 +24,8 @@ class DraftLength:
       probability is below ``confidence`` (costs one host sync per draft token);
     - ``auto``: the k in 0..``k_max`` with the highest speedup the cost model predicts from
       the machine's ``probe`` and the sequence's own running acceptance estimate, which
-      starts from the pair's ``pooled`` one and adds to it what it sees; 0 means a plain
-      target step (see :mod:`polspec.decoding.costmodel`). In a batch of several sequences
+      starts from the pair's ``pooled`` one, adds to it what it sees and ages it back toward
+      the pool in plain rounds; 0 means a plain target step (see :mod:`polspec.decoding.costmodel`). In a batch of several sequences
       the batch decoder sets k for all its ``auto`` rows at once (:func:`shared_auto_k`).
     """
 
@@ -58,7 +59,21 @@ class DraftLength:
             if proposed:
                 self.candidates += candidates
                 self.proposed += proposed
+            else:
+                self.estimate.age(self.pooled.prior())
             self.k = self._choose()
+
+    def k_within(self, remaining: int, unfed: int) -> int:
+        """This round's k for a sequence with ``remaining`` tokens to go whose draft has not
+        yet been fed ``unfed`` tokens of its text beyond the round's first position (its prompt
+        before the first proposal, a plain stretch after one): at most ``remaining``, and under
+        ``auto`` 0 unless the speedup the round was chosen for pays back that feed within the
+        tokens left (:func:`~polspec.decoding.costmodel.pays_back`)."""
+        k = min(self.k, remaining)
+        if self.mode != "auto" or k == 0:
+            return k
+        speedup = predicted_speedup(self.probe, self.chosen_at, k, self.ratio)
+        return k if pays_back(speedup, remaining, self.probe.draft_feed_steps(unfed, 1)) else 0
 
     @property
     def ratio(self) -> float:
@@ -68,13 +83,19 @@ class DraftLength:
     def _choose(self) -> int:
         """The best k at the sequence's estimated acceptance; where that is 0, the best k at
         the estimate's upper bound (exploring). Each failed exploration lowers the bound, so a
-        text that keeps rejecting soon decodes plain for good, and plain rounds add no evidence
-        that could raise it again: exploring comes early and in one stretch, with the draft
-        warm, not spread over the generation with a catch-up each time. Where even an
-        optimistic acceptance cannot pay it never explores (the demo pair on a CPU, where the
-        draft step is most of a target step)."""
-        return (best_k(self.probe, self.estimate.a, self.k_max, self.ratio)
-                or best_k(self.probe, self.estimate.upper_bound(), self.k_max, self.ratio))
+        text that keeps rejecting soon decodes plain; its plain rounds age that evidence toward
+        the pool's (:meth:`AcceptanceEstimate.age`), so it explores again after a plain stretch,
+        later each time as failures pile up, and pays the draft's catch-up on the stretch then
+        (:meth:`k_within` counts it). Where even an optimistic acceptance cannot pay it never
+        explores (the demo pair on a CPU, where the draft step is most of a target step): the
+        bound never rises above the pool's own. ``chosen_at`` keeps the acceptance k was
+        chosen for."""
+        self.chosen_at = self.estimate.a
+        k = best_k(self.probe, self.chosen_at, self.k_max, self.ratio)
+        if k == 0:
+            self.chosen_at = self.estimate.upper_bound()
+            k = best_k(self.probe, self.chosen_at, self.k_max, self.ratio)
+        return k
 
 
 def shared_auto_k(policies: list[DraftLength], probe: Probe, rows: int, remaining: float = math.inf,

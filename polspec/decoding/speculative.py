@@ -101,6 +101,12 @@ class DraftText:
         self.sequence = list(prompt)
         self.fed = fed
 
+    @property
+    def unfed(self) -> int:
+        """Tokens of the text the draft has not been fed beyond the next proposal's first
+        position: the prompt before the first proposal, the committed text since the last."""
+        return len(self.sequence) - 1 - self.fed
+
     def resync(self, committed: list[int], committed_bytes: bytes) -> int:
         """Follow the target: re-tokenize the new text; returns how many cached entries stay valid.
 
@@ -216,7 +222,7 @@ def generate_speculative(
     pending = target_prompt[-1]
     while len(committed) < params.max_tokens:
         clock = time.perf_counter()
-        k = min(policy.k, params.max_tokens - len(committed))
+        k = policy.k_within(params.max_tokens - len(committed), draft_side.text.unfed)
         position = len(committed)
         draw = shared and (lambda logits, step: shared.sample(logits, params, seed, position, step))
         proposal = draft_side.propose(k, policy, draw)
