@@ -115,6 +115,13 @@ def test_auto_explores_at_once_and_again_after_plain_stretches_until_the_pool_ru
     assert (pooled.successes, pooled.failures) == (1, 9 + len(explored))  # the pool learns what the sequence saw
 
 
+def test_auto_explores_with_the_cheapest_round_that_could_pay():
+    flat_rho = flat(0.02, rho=(1.0,) + (1.1,) * 8)  # any width verifies at 1.1 steps: at 0.32 a wide k is best
+    policy = DraftLength(DecodingParams(k="auto"), flat_rho, AcceptanceEstimate(1, 9))
+    assert best_k(flat_rho, policy.estimate.a, 4) == 0 and policy.chosen_at == policy.estimate.upper_bound()
+    assert best_k(flat_rho, policy.chosen_at, 4) > 1 and policy.k == 1  # a rejection is one failure at any k
+
+
 def test_plain_rounds_age_a_sequences_evidence_toward_the_pool():
     pooled = AcceptanceEstimate(3, 7)
     own = AcceptanceEstimate(0.6, 6.4)  # the pool's prior (0.6, 1.4) and five failures since

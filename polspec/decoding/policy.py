@@ -81,8 +81,9 @@ class DraftLength:
         return self.candidates / self.proposed
 
     def _choose(self) -> int:
-        """The best k at the sequence's estimated acceptance; where that is 0, the best k at
-        the estimate's upper bound (exploring). Each failed exploration lowers the bound, so a
+        """The best k at the sequence's estimated acceptance; where that is 0, the smallest k
+        that would pay at the estimate's upper bound (exploring: a rejected round is one
+        failure whatever its k, so the cheapest round that can pay tests the draft). Each failed exploration lowers the bound, so a
         text that keeps rejecting soon decodes plain; its plain rounds age that evidence toward
         the pool's (:meth:`AcceptanceEstimate.age`), so it explores again after a plain stretch,
         later each time as failures pile up, and pays the draft's catch-up on the stretch then
@@ -94,7 +95,8 @@ class DraftLength:
         k = best_k(self.probe, self.chosen_at, self.k_max, self.ratio)
         if k == 0:
             self.chosen_at = self.estimate.upper_bound()
-            k = best_k(self.probe, self.chosen_at, self.k_max, self.ratio)
+            k = next((k for k in range(1, self.k_max + 1)
+                      if predicted_speedup(self.probe, self.chosen_at, k, self.ratio) > 1), 0)
         return k
 
 
