@@ -25,8 +25,9 @@ class DraftLength:
     - ``auto``: the k in 0..``k_max`` with the highest speedup the cost model predicts from
       the machine's ``probe`` and the sequence's own running acceptance estimate, which
       starts from the pair's ``pooled`` one, adds to it what it sees and ages it back toward
-      the pool in plain rounds; 0 means a plain target step (see :mod:`polspec.decoding.costmodel`). In a batch of several sequences
-      the batch decoder sets k for all its ``auto`` rows at once (:func:`shared_auto_k`).
+      the pool in plain rounds; 0 means a plain target step (see
+      :mod:`polspec.decoding.costmodel`). In a batch of several sequences the batch decoder
+      sets k for all its ``auto`` rows at once (:func:`shared_auto_k`).
     """
 
     def __init__(self, params: DecodingParams, probe: Probe | None = None,
@@ -83,10 +84,12 @@ class DraftLength:
     def _choose(self) -> int:
         """The best k at the sequence's estimated acceptance; where that is 0, the smallest k
         that would pay at the estimate's upper bound (exploring: a rejected round is one
-        failure whatever its k, so the cheapest round that can pay tests the draft). Each failed exploration lowers the bound, so a
-        text that keeps rejecting soon decodes plain; its plain rounds age that evidence toward
-        the pool's (:meth:`AcceptanceEstimate.age`), so it explores again after a plain stretch,
-        later each time as failures pile up, and pays the draft's catch-up on the stretch then
+        failure whatever its k, so the cheapest round that can pay tests the draft).
+
+        Each failed exploration lowers the bound, so a text that keeps rejecting soon decodes
+        plain; its plain rounds age that evidence toward the pool's
+        (:meth:`AcceptanceEstimate.age`), so it explores again after a plain stretch, later
+        each time as failures pile up, and pays the draft's catch-up on the stretch then
         (:meth:`k_within` counts it). Where even an optimistic acceptance cannot pay it never
         explores (the demo pair on a CPU, where the draft step is most of a target step): the
         bound never rises above the pool's own. ``chosen_at`` keeps the acceptance k was
