@@ -92,7 +92,7 @@ class BatchDecoder:
     ``draft=None`` decodes target-only; with a draft every sequence is speculative with its
     own ``params.k`` policy. ``auto`` rows share one k per round, chosen from ``probe`` viewed
     at the round's batch size on what the pair has shown, and only where it pays back the
-    draft's first feed of their prompts (:func:`~polspec.decoding.policy.shared_auto_k`).
+    draft's feed of the text it has not seen (:func:`~polspec.decoding.policy.shared_auto_k`).
     A row alone makes its own choice, and a sequence decodes without the draft where no k
     can pay at any batch size.
     ``max_batch`` caps how many sequences decode together (default: what memory holds

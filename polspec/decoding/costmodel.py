@@ -215,9 +215,14 @@ def pays_back(speedup: float, tokens: float, warm_up: float) -> bool:
     return tokens * (1 - 1 / speedup) > warm_up
 
 
+def smallest_paying_k(probe: Probe, a: float, k_max: int, ratio: float = 1.0) -> int:
+    """The smallest k in 1..k_max that beats plain decoding at acceptance ``a``; 0 when none does."""
+    return next((k for k in range(1, k_max + 1) if predicted_speedup(probe, a, k, ratio) > 1.0), 0)
+
+
 def can_pay(probe: Probe, k_max: int, ratio: float = 1.0) -> bool:
     """Whether any k up to ``k_max`` beats plain decoding even with a perfect draft."""
-    return any(predicted_speedup(probe, 1.0, k, ratio) > 1.0 for k in range(1, k_max + 1))
+    return smallest_paying_k(probe, 1.0, k_max, ratio) > 0
 
 
 def throughput_batch_size(probe: Probe | None) -> int:

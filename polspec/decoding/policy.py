@@ -10,7 +10,7 @@ import mlx.core as mx
 
 from polspec.decoding.acceptance import AcceptanceEstimate
 from polspec.decoding.costmodel import (Probe, best_k, best_shared_k, pays_back, predicted_speedup,
-                                        shared_speedup)
+                                        shared_speedup, smallest_paying_k)
 from polspec.decoding.params import DecodingParams
 
 
@@ -98,8 +98,7 @@ class DraftLength:
         k = best_k(self.probe, self.chosen_at, self.k_max, self.ratio)
         if k == 0:
             self.chosen_at = self.estimate.upper_bound()
-            k = next((k for k in range(1, self.k_max + 1)
-                      if predicted_speedup(self.probe, self.chosen_at, k, self.ratio) > 1), 0)
+            k = smallest_paying_k(self.probe, self.chosen_at, self.k_max, self.ratio)
         return k
 
 
@@ -111,11 +110,11 @@ def shared_auto_k(policies: list[DraftLength], probe: Probe, rows: int, remainin
     unless it pays back ``warm_up`` within the ``remaining`` tokens a row has left, both in
     batched plain steps (:func:`~polspec.decoding.costmodel.pays_back`).
 
-    ``warm_up`` is the draft's first feed of the prompts of rows that have not drafted yet,
-    which a batch pays once and a short generation or a slim speedup cannot earn back. A row
-    that has seen no round counts at the pool's acceptance as it stands: in a fresh process
-    the pair's weak prior (a = 0.5), so a batch of new rows drafts where that would pay with
-    room for the warm-up. It does not explore past its estimates, as a row alone does
+    ``warm_up`` is the draft's feed of the text it has not seen (the prompts of rows that
+    have not drafted yet, the plain stretches of rows that have), which a batch pays once
+    and a short generation or a slim speedup cannot earn back. A row that has seen no round
+    counts at the pool's acceptance as it stands: in a fresh process the pair's weak prior
+    (a = 0.5), so a batch of new rows drafts where that would pay with room for the warm-up. It does not explore past its estimates, as a row alone does
     (:meth:`DraftLength._choose`): in a batch one row's exploration costs every row a wider
     verification. Rows are costed at the largest ``k_max`` among them (one batch's rows
     usually share their parameters)."""
