@@ -24,7 +24,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 from polspec import backend  # noqa: F401  (before mlx: the Linux BLAS fix)
@@ -91,7 +93,9 @@ def record(target_alias: str, draft_alias: str, dataset: str, count: int, max_to
 
 def replay_cost(probe: Probe, k: int, candidates: int, unfed: int) -> float:
     """A round's cost in target steps: k draft steps (the first also feeding ``unfed`` tokens),
-    the per-round overhead, verification over ``candidates`` + 1 positions, translation."""
+    the per-round overhead, verification over ``candidates`` + 1 positions, translation.
+    :func:`~polspec.decoding.costmodel.round_cost` with the round's own candidate count, which
+    may be 0, in place of the pair's ratio, plus the catch-up."""
     if k == 0:
         return 1.0
     return k * probe.c + probe.draft_feed_steps(unfed, 1) + probe.draft_overhead + probe.rho_at(candidates + 1) + probe.tau
@@ -101,7 +105,9 @@ class ForgettingDraftLength(DraftLength):
     """``auto`` whose sequence estimate also ages in drafting rounds, by half every
     ``half_life`` of them: the experiment for texts whose acceptance comes in bursts."""
 
-    half_life = 4.0
+    def __init__(self, params: DecodingParams, probe: Probe, pooled: AcceptanceEstimate, half_life: float):
+        self.half_life = half_life
+        super().__init__(params, probe, pooled)
 
     def observe(self, accepted: int, candidates: int, proposed: int) -> None:
         if proposed:
@@ -116,7 +122,8 @@ class Replayed:
     plain_rounds: int
 
 
-def replay(recorded: list[Recorded], probe: Probe, k: int | str, policy_class: type[DraftLength] = DraftLength,
+def replay(recorded: list[Recorded], probe: Probe, k: int | str,
+           policy_class: Callable[[DecodingParams, Probe, AcceptanceEstimate], DraftLength] = DraftLength,
            stop_below: float | None = None) -> list[Replayed]:
     """Each prompt replayed with one policy; prompts share one pooled estimate, as in a worker.
     With ``stop_below`` a proposal also ends after a token the draft gives a lower probability
@@ -222,9 +229,8 @@ def main() -> None:
         print(table_row(f"k = {k}", replay(recorded, probe, k)))
     print(table_row("auto", replay(recorded, probe, "auto")))
     for half_life in args.half_lives.split(","):
-        ForgettingDraftLength.half_life = float(half_life)
         print(table_row(f"auto, ageing in drafting rounds too (half-life {half_life})",
-                        replay(recorded, probe, "auto", ForgettingDraftLength)))
+                        replay(recorded, probe, "auto", partial(ForgettingDraftLength, half_life=float(half_life)))))
     for threshold in (0.4, 0.5, 0.7, 0.9):
         print(table_row(f"confidence {threshold} (up to 8)", replay(recorded, probe, "confidence", stop_below=threshold)))
     for threshold in (0.3, 0.5, 0.7):

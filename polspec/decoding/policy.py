@@ -114,7 +114,8 @@ def shared_auto_k(policies: list[DraftLength], probe: Probe, rows: int, remainin
     have not drafted yet, the plain stretches of rows that have), which a batch pays once
     and a short generation or a slim speedup cannot earn back. A row that has seen no round
     counts at the pool's acceptance as it stands: in a fresh process the pair's weak prior
-    (a = 0.5), so a batch of new rows drafts where that would pay with room for the warm-up. It does not explore past its estimates, as a row alone does
+    (a = 0.5), so a batch of new rows drafts where that would pay with room for the warm-up.
+    It does not explore past its estimates, as a row alone does
     (:meth:`DraftLength._choose`): in a batch one row's exploration costs every row a wider
     verification. Rows are costed at the largest ``k_max`` among them (one batch's rows
     usually share their parameters)."""
