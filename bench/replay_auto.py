@@ -124,10 +124,12 @@ class Replayed:
 
 def replay(recorded: list[Recorded], probe: Probe, k: int | str,
            policy_class: Callable[[DecodingParams, Probe, AcceptanceEstimate], DraftLength] = DraftLength,
-           stop_below: float | None = None) -> list[Replayed]:
+           stop_below: float | None = None, extend: bool = True) -> list[Replayed]:
     """Each prompt replayed with one policy; prompts share one pooled estimate, as in a worker.
     With ``stop_below`` a proposal also ends after a token the draft gives a lower probability
-    (the confidence stop), paying the step of lookahead it takes back."""
+    (the confidence stop), paying the step of lookahead it takes back; otherwise ``auto``
+    drafts past its k while the draft is sure (:meth:`DraftLength.most_within`), unless
+    ``extend`` is off (``auto`` as it was before session 34)."""
     params = DecodingParams(k=k, confidence=stop_below or 0.5)
     pooled = AcceptanceEstimate()
     replayed = []
@@ -142,11 +144,17 @@ def replay(recorded: list[Recorded], probe: Probe, k: int | str,
                 policy.observe(0, 0, 0)
                 cost, position, unfed, plain = cost + 1.0, position + 1, unfed + 1, plain + 1
                 continue
-            drafted = k_now
+            drafted, steps = k_now, k_now
             if stop_below is not None:
                 drafted = next((j + 1 for j, p in enumerate(prompt.confidence[position][:k_now]) if p < stop_below), k_now)
+                steps = drafted + (drafted < k_now)
+            elif extend:
+                most = min(policy.most_within(k_now, length - position), len(prompt.outcomes[position]))
+                while drafted < most and prompt.confidence[position][drafted - 1] >= policy.threshold:
+                    drafted += 1
+                steps = drafted
             candidates, accepted = prompt.outcomes[position][drafted - 1]
-            cost += replay_cost(probe, drafted + (drafted < k_now), candidates, unfed)
+            cost += replay_cost(probe, steps, candidates, unfed)
             policy.observe(accepted, candidates, drafted)
             position += min(accepted + 1, length - position)
             unfed = 0  # the draft keeps what it proposed and the target accepted
@@ -228,6 +236,7 @@ def main() -> None:
     for k in (1, 2, 3, 4):
         print(table_row(f"k = {k}", replay(recorded, probe, k)))
     print(table_row("auto", replay(recorded, probe, "auto")))
+    print(table_row("auto, never past its k", replay(recorded, probe, "auto", extend=False)))
     for half_life in args.half_lives.split(","):
         print(table_row(f"auto, ageing in drafting rounds too (half-life {half_life})",
                         replay(recorded, probe, "auto", partial(ForgettingDraftLength, half_life=float(half_life)))))

@@ -165,6 +165,25 @@ def test_a_row_feeds_the_draft_its_prompt_only_when_it_first_proposes(gemma3, sm
                                                          chat=False).token_ids, tokens[1])
 
 
+def test_a_row_alone_under_auto_drafts_past_its_k_while_the_draft_is_sure(gemma3, smollm2):
+    """On a probe where verifying more than two positions is dear, ``auto`` chooses k = 1; a
+    row alone in the batch still drafts past it on a counting prompt the draft is sure of, as
+    a single sequence does, and stays lossless."""
+    probe = Probe(gemma3.entry.alias, smollm2.entry.alias, c=0.01, rho=(1.0, 1.0) + (3.0,) * 7, tau=0.0,
+                  target_step_s=0.10, draft_step_s=0.001, batch=(BatchCost(1, (0.10,) * 5, 0.001),))
+    prompt, params = "1, 2, 3, 4, 5, 6, 7, 8,", DecodingParams(max_tokens=12, k="auto")
+    decoder = BatchDecoder(gemma3, smollm2, max_batch=2, probe=probe)
+    decoder.add(0, prompt, params, chat=False)
+    tokens = []
+    while decoder:
+        for event in decoder.step():
+            tokens += event.commit.tokens if event.commit else []
+            metrics = event.metrics
+    assert_same_or_float_tie(gemma3, prompt, generate(gemma3, None, prompt, DecodingParams(max_tokens=12),
+                                                      chat=False).token_ids, tokens)
+    assert metrics.draft_tokens > metrics.rounds - metrics.plain_rounds > 0  # some round drafted more than its k
+
+
 def test_a_fresh_batch_drafts_on_the_prior_only_where_it_pays_back_the_draft_warm_up(gemma3, smollm2, single):
     """auto on a probe where the pair's prior (a = 0.5) pays two at a time: with nothing seen
     yet, both rows draft from the first round, still lossless; but not where feeding the

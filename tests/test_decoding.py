@@ -7,14 +7,20 @@ import os
 import re
 from collections import Counter
 
+import mlx.core as mx
 import pytest
 from click.testing import CliRunner
 
 from polspec.cli import main
 from polspec.decoding import DecodingParams, generate
+from polspec.decoding.acceptance import AcceptanceEstimate
+from polspec.decoding.costmodel import Probe
+from polspec.decoding.draft_vocab import draft_head
 from polspec.decoding.kv import new_cache
 from polspec.decoding.metrics import DecodeMetrics
+from polspec.decoding.policy import EXTEND_ABOVE, DraftLength
 from polspec.decoding.run import encode_prompt, stream
+from polspec.decoding.speculative import DraftSide
 from polspec.decoding.translate import STRATEGIES, token_bytes
 from polspec.errors import PolspecError
 
@@ -82,6 +88,31 @@ def test_adaptive_draft_lengths_are_lossless(gemma3, smollm2, baseline, policy):
     for prompt in PROMPTS[:5]:
         result = generate(gemma3, smollm2, prompt, DecodingParams(max_tokens=MAX_TOKENS, k=policy), chat=False)
         assert_same_or_float_tie(gemma3, prompt, baseline(gemma3, prompt), result.token_ids)
+
+
+@pytest.mark.slow
+def test_auto_drafts_past_its_k_exactly_while_the_draft_is_sure(smollm2):
+    """A round of k = 1 under ``auto`` goes on while the draft gives its last token at least
+    EXTEND_ABOVE, up to ``most``: its tokens are the draft's greedy ones, every token before
+    the last was sure, and the last was not (or the proposal is full). A counting prompt
+    runs past k; free text stops at it."""
+    auto = DraftLength(DecodingParams(k="auto"), Probe("t", "d", c=0.1, rho=(1.0,) * 9, tau=0.0), AcceptanceEstimate())
+    head = draft_head(smollm2, DecodingParams().draft_vocab)
+
+    def greedy_keeping_its_probability(logits: mx.array, step: int) -> tuple[mx.array, mx.array]:
+        return mx.argmax(logits), mx.softmax(logits).max()
+
+    lengths = []
+    for prompt in ("1, 2, 3, 4, 5, 6, 7, 8,", "Najlepszy przepis na pierogi"):
+        ids = encode_prompt(smollm2, prompt, chat=False)
+        greedy = DraftSide(smollm2, ids, None, head).propose(8, DraftLength(DecodingParams(k=8)))
+        side = DraftSide(smollm2, ids, None, head)
+        proposal = side.propose(1, auto, greedy_keeping_its_probability, most=8)
+        sure = [p.item() >= EXTEND_ABOVE for p in side.probabilities]
+        assert proposal == greedy[: len(proposal)]
+        assert all(sure[:-1]) and (len(proposal) == 8 or not sure[-1]), (prompt, sure)
+        lengths.append(len(proposal))
+    assert lengths[0] > 1 and lengths[1] == 1
 
 
 @pytest.mark.slow

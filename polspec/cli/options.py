@@ -34,7 +34,8 @@ _OPTIONS = [
                  type=NumberOrName(K_POLICIES, f"a number from 1 to {MAX_K}"),
                  help="Draft tokens per round, or a policy: heuristic (adapts to acceptance), "
                       "confidence (stops when the draft is unsure), auto (from this machine's cost model, "
-                      "see polspec models probe; plain decoding when speculation cannot pay)."),
+                      "see polspec models probe; plain decoding when speculation cannot pay; longer "
+                      "while the draft is sure of its tokens)."),
     click.option("--strategy", default="aligned", show_default=True, type=click.Choice(STRATEGIES),
                  help="How draft tokens become target tokens when the tokenizers differ."),
     click.option("--prefix", default=5, show_default=True, type=int, help="Committed target tokens of context for translation."),

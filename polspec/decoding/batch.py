@@ -168,8 +168,12 @@ class BatchDecoder:
         cold = [row for row, s in enumerate(self.rows) if s.policy and s.policy.k and not s.draft_warm]
         if cold:
             self._warm(cold)
-        ks = [min(s.policy.k, s.params.max_tokens - len(s.committed)) if s.policy else 0 for s in self.rows]
-        proposals = self._propose(ks) if any(ks) else [[] for _ in self.rows]
+        remaining = [s.params.max_tokens - len(s.committed) for s in self.rows]
+        ks = [min(s.policy.k, left) if s.policy else 0 for s, left in zip(self.rows, remaining)]
+        floors = [_floor(s, k) for s, k in zip(self.rows, ks)]
+        if auto and batch == 1:
+            ks = [auto[0].policy.most_within(ks[0], remaining[0])]
+        proposals = self._propose(ks, floors) if any(ks) else [[] for _ in self.rows]
         draft_s = time.perf_counter() - clock
 
         clock = time.perf_counter()
@@ -288,8 +292,11 @@ class BatchDecoder:
         batch_kv.keep_rows(self.target_cache, order)
         self.rows = [self.rows[row] for row in order]
 
-    def _propose(self, ks: list[int]) -> list[list[int]]:
-        """Every row's greedy draft tokens (up to its k), in one batched forward per draft step.
+    def _propose(self, ks: list[int], floors: list[int]) -> list[list[int]]:
+        """Every row's greedy draft tokens, in one batched forward per draft step: at least
+        ``floors[row]`` of them, and up to ``ks[row]`` while the row's policy is sure of each
+        token past its floor (:meth:`DraftLength.unsure`: the confidence policy, and ``auto``
+        drafting past its k).
 
         The first step feeds each row's text committed since its last proposal (right-padded to
         the longest); rows with k = 0 catch up in it too, at little cost, and propose nothing.
@@ -303,22 +310,24 @@ class BatchDecoder:
         features = next(iter(heads)).features(inputs, self.draft_cache, mx.array([len(feed) - 1 for feed in feeds]))
         batch_kv.trim_each(self.draft_cache, [width - len(feed) for feed in feeds])
         steps = max(ks)
-        # Fixed and heuristic rows need their k steps; beyond those, the confidence rows decide,
+        # Every row needs its floor's steps; beyond those, the rows that may stop early decide,
         # at one host sync per step, as the single-sequence decoder does.
-        fixed = max((k for k, s in zip(ks, self.rows) if not _confident(s)), default=0)
-        confident = [row for row, s in enumerate(self.rows) if _confident(s) and ks[row]]
-        thresholds = mx.array([self.rows[row].policy.threshold for row in confident])
+        fixed = max(floors)
+        deciding = [row for row in range(len(self.rows)) if floors[row] < ks[row]]
+        thresholds = mx.array([self.rows[row].policy.threshold for row in deciding])
+        counted_from = mx.array([floors[row] - 1 for row in deciding])
         tokens, confidences = [], []
         for sequence in self.rows:
             sequence.probabilities = []
         for step in range(steps):
-            token, confidence = _draft_step(heads, features, self.rows, step, ks, bool(confident))
+            token, confidence = _draft_step(heads, features, self.rows, step, ks, bool(deciding))
             tokens.append(token)
             confidences.append(confidence)
             if step + 1 == steps:
                 break
-            if step + 1 >= fixed and confident:
-                unsure = mx.stack(confidences, axis=1)[mx.array(confident)] < thresholds[:, None]
+            if step + 1 >= fixed and deciding:
+                so_far = mx.stack(confidences, axis=1)[mx.array(deciding)]
+                unsure = (so_far < thresholds[:, None]) & (mx.arange(step + 1)[None, :] >= counted_from[:, None])
                 if mx.all(mx.any(unsure, axis=1)).item():
                     break
             features = next(iter(heads)).features(token[:, None], self.draft_cache)
@@ -330,8 +339,9 @@ class BatchDecoder:
         for row, sequence in enumerate(self.rows):
             text = sequence.draft_text
             proposal = drafted[row][: ks[row]]
-            if _confident(sequence):
-                low = next((i for i, p in enumerate(sure[row][: ks[row]]) if p < sequence.policy.threshold), None)
+            if floors[row] < ks[row]:
+                low = next((i for i, p in enumerate(sure[row][: ks[row]])
+                            if i >= floors[row] - 1 and p < sequence.policy.threshold), None)
                 proposal = proposal if low is None else proposal[: low + 1]
             if sequence.draft_warm:
                 text.fed = len(text.sequence) + max(len(proposal) - 1, 0)
@@ -439,8 +449,10 @@ def _draft_step(heads: dict[DraftHead, list[int]], features: mx.array, sequences
     return token, confidence
 
 
-def _confident(sequence: _Sequence) -> bool:
-    return sequence.policy is not None and sequence.policy.mode == "confidence"
+def _floor(sequence: _Sequence, k: int) -> int:
+    """The draft tokens a row proposes this round whatever the draft's confidence: one under
+    the confidence policy, which decides on every token after it; its k otherwise."""
+    return min(k, 1) if sequence.policy is not None and sequence.policy.mode == "confidence" else k
 
 
 class _Plain:

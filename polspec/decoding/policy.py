@@ -13,6 +13,12 @@ from polspec.decoding.costmodel import (Probe, best_k, best_shared_k, pays_back,
                                         shared_speedup, smallest_paying_k)
 from polspec.decoding.params import DecodingParams
 
+# ``auto`` drafts past its k, up to k_max, while the draft gives its last token at least this
+# probability. Chosen by replaying the policies on recorded acceptance (bench/replay_auto.py,
+# BENCHMARKS.md): at 0.9 the long sure runs of structured text pay (pl-struct replayed 1.35x -> 1.50x)
+# and prose keeps its speed; at 0.6-0.7 prose drafted long rejected runs and went plain.
+EXTEND_ABOVE = 0.9
+
 
 class DraftLength:
     """Decides how many tokens the draft proposes next round.
@@ -26,15 +32,19 @@ class DraftLength:
       the machine's ``probe`` and the sequence's own running acceptance estimate, which
       starts from the pair's ``pooled`` one, adds to it what it sees and ages it back toward
       the pool in plain rounds; 0 means a plain target step (see
-      :mod:`polspec.decoding.costmodel`). In a batch of several sequences the batch decoder
-      sets k for all its ``auto`` rows at once (:func:`shared_auto_k`).
+      :mod:`polspec.decoding.costmodel`). Past its k a round goes on drafting, up to
+      ``k_max``, while the draft is sure of its last token (probability at least
+      :data:`EXTEND_ABOVE`): the cost model prices the average round, and a run the draft is
+      sure of accepts well above the average. In a batch of several sequences the batch
+      decoder sets k for all its ``auto`` rows at once (:func:`shared_auto_k`), without the
+      extension: one row's longer proposal would widen every row's verification.
     """
 
     def __init__(self, params: DecodingParams, probe: Probe | None = None,
                  pooled: AcceptanceEstimate | None = None):
         self.mode = params.k if isinstance(params.k, str) else "fixed"
         self.k_max = params.k_max
-        self.threshold = params.confidence
+        self.threshold = EXTEND_ABOVE if self.mode == "auto" else params.confidence
         if self.mode == "auto":
             if probe is None or pooled is None:
                 raise ValueError("the auto draft length needs a probe and the pair's pooled acceptance estimate")
@@ -46,8 +56,9 @@ class DraftLength:
             self.k = params.k_max if self.mode == "confidence" else params.initial_k
 
     def unsure(self, logits: mx.array, index: mx.array) -> mx.array:
-        """Whether the confidence policy stops drafting after the token at ``index`` of ``logits``
-        (its draft probability is below the threshold), lazily: a boolean array."""
+        """Whether the confidence policy stops drafting after the token at ``index`` of
+        ``logits``, or ``auto`` stops extending its proposal there (its draft probability is
+        below the threshold), lazily: a boolean array."""
         return mx.softmax(logits, axis=-1)[index] < self.threshold
 
     def observe(self, accepted: int, candidates: int, proposed: int) -> None:
@@ -75,6 +86,11 @@ class DraftLength:
             return k
         speedup = predicted_speedup(self.probe, self.chosen_at, k, self.ratio)
         return k if pays_back(speedup, remaining, self.probe.draft_feed_steps(unfed, 1)) else 0
+
+    def most_within(self, k: int, remaining: int) -> int:
+        """The most tokens a round of ``k`` may draft with ``remaining`` tokens to go: under
+        ``auto`` (k > 0) up to ``k_max`` while the draft stays sure (:meth:`unsure`), else k."""
+        return max(k, min(self.k_max, remaining)) if self.mode == "auto" and k else k
 
     @property
     def ratio(self) -> float:

@@ -135,14 +135,16 @@ class DraftSide:
         self.text = DraftText(prompt, table)
         self.probabilities: list[mx.array] = []  # what the last proposal was drawn from, under a draw
 
-    def propose(self, k: int, policy: DraftLength, draw: DraftDraw | None = None) -> list[int]:
+    def propose(self, k: int, policy: DraftLength, draw: DraftDraw | None = None, most: int | None = None) -> list[int]:
         """Up to ``k`` draft tokens, greedy or from ``draw``; the last one is not fed to the cache.
 
         ``draw(logits, step)`` samples a logit index and gives the distribution it was drawn
         from, kept in :attr:`probabilities` for verification (speculative sampling). One host
         sync per round: the tokens stay lazy until the proposal is complete. The confidence
         policy decides on each token while the next step already runs (one step of lookahead),
-        and takes that step back when it stops.
+        and takes that step back when it stops. Past ``k``, up to ``most`` tokens, the proposal
+        goes on while the policy is sure of its last token (``auto``), at one sync per token
+        past ``k``: a round that stops at ``k`` pays no more than before.
         """
         self.probabilities = []
         if k == 0:
@@ -155,7 +157,9 @@ class DraftSide:
         # forward and no host sync of its own.
         inputs = mx.array([text.sequence[text.fed:]])
         proposal, probabilities, unsure = [], [], None
-        for step in range(k):
+        for step in range(most or k):
+            if step >= k and policy.unsure(logits, index).item():
+                break
             logits = self.head(inputs, self.cache)[0]
             if draw is None:
                 index = mx.argmax(logits)
@@ -222,10 +226,11 @@ def generate_speculative(
     pending = target_prompt[-1]
     while len(committed) < params.max_tokens:
         clock = time.perf_counter()
-        k = policy.k_within(params.max_tokens - len(committed), draft_side.text.unfed)
+        remaining = params.max_tokens - len(committed)
+        k = policy.k_within(remaining, draft_side.text.unfed)
         position = len(committed)
         draw = shared and (lambda logits, step: shared.sample(logits, params, seed, position, step))
-        proposal = draft_side.propose(k, policy, draw)
+        proposal = draft_side.propose(k, policy, draw, policy.most_within(k, remaining))
         now = time.perf_counter()
         metrics.draft_s += now - clock
 
