@@ -118,8 +118,8 @@ def test_auto_explores_at_once_and_again_after_plain_stretches_until_the_pool_ru
 def test_auto_explores_with_the_cheapest_round_that_could_pay():
     flat_rho = flat(0.02, rho=(1.0,) + (1.1,) * 8)  # any width verifies at 1.1 steps: at 0.32 a wide k is best
     policy = DraftLength(DecodingParams(k="auto"), flat_rho, AcceptanceEstimate(1, 9))
-    assert best_k(flat_rho, policy.estimate.a, 4) == 0 and policy.chosen_at == policy.estimate.upper_bound()
-    assert best_k(flat_rho, policy.chosen_at, 4) > 1 and policy.k == 1  # a rejection is one failure at any k
+    assert best_k(flat_rho, policy.estimate.a, 4) == 0
+    assert best_k(flat_rho, policy.estimate.upper_bound(), 4) > 1 and policy.k == 1  # a rejection is one failure at any k
 
 
 def test_plain_rounds_age_a_sequences_evidence_toward_the_pool():
@@ -131,12 +131,18 @@ def test_plain_rounds_age_a_sequences_evidence_toward_the_pool():
     assert own.a == pytest.approx(pooled.a) and own.rounds == 0  # no round of its own was observed
 
 
-def test_auto_drafts_only_where_the_round_pays_back_the_draft_catch_up():
+def test_auto_drafts_only_where_the_round_could_pay_back_the_draft_catch_up():
+    """The catch-up is weighed against the speedup the sequence's text could plausibly give
+    (its estimate's upper bound), not the pool's mean: a sequence the pool says barely pays
+    still pays the catch-up to find out, where a plain round would teach it nothing."""
     cheap = flat(0.1, rho=(1.0, 1.1) + (1.2,) * 7)  # no batch table: a token fed costs a draft step
-    policy = DraftLength(DecodingParams(k="auto"), cheap, AcceptanceEstimate(8, 2))
+    policy = DraftLength(DecodingParams(k="auto"), cheap, AcceptanceEstimate(30, 70))  # a = 0.3: k = 1 barely pays
     k = policy.k
-    saved = 32 * (1 - 1 / predicted_speedup(cheap, policy.chosen_at, k, policy.ratio))  # plain steps over 32 tokens
-    assert k > 0 and policy.chosen_at == pytest.approx(0.8)
+    plausible = policy.estimate.upper_bound()
+    saved = 32 * (1 - 1 / predicted_speedup(cheap, plausible, k, policy.ratio))  # plain steps over 32 tokens
+    saved_on_average = 32 * (1 - 1 / predicted_speedup(cheap, policy.estimate.a, k, policy.ratio))
+    assert k > 0 and saved_on_average / cheap.c < 40 < saved / cheap.c
+    assert policy.k_within(32, 40) == k  # a 40-token prompt, which the mean's speedup would not pay back
     assert policy.k_within(32, 0) == k
     assert policy.k_within(32, math.floor(saved / cheap.c) - 1) == k
     assert policy.k_within(32, math.ceil(saved / cheap.c) + 1) == 0  # the catch-up costs more than k saves

@@ -79,12 +79,18 @@ class DraftLength:
         """This round's k for a sequence with ``remaining`` tokens to go whose draft has not
         yet been fed ``unfed`` tokens of its text beyond the round's first position (its prompt
         before the first proposal, a plain stretch after one): at most ``remaining``, and under
-        ``auto`` 0 unless the speedup the round was chosen for pays back that feed within the
-        tokens left (:func:`~polspec.decoding.costmodel.pays_back`)."""
+        ``auto`` 0 unless the speedup k could plausibly give (at the estimate's upper bound)
+        pays back that feed within the tokens left
+        (:func:`~polspec.decoding.costmodel.pays_back`).
+
+        Plausibly, not on average: a plain round teaches the sequence nothing, and ages its
+        estimate toward the pool's, so a sequence the pool says barely pays would otherwise
+        stay plain to its end on the pool's word alone, its catch-up growing with every plain
+        step (replayed on ``pl-instruct``: 5 of 8 prompts plain throughout)."""
         k = min(self.k, remaining)
         if self.mode != "auto" or k == 0:
             return k
-        speedup = predicted_speedup(self.probe, self.chosen_at, k, self.ratio)
+        speedup = predicted_speedup(self.probe, self.estimate.upper_bound(), k, self.ratio)
         return k if pays_back(speedup, remaining, self.probe.draft_feed_steps(unfed, 1)) else 0
 
     def most_within(self, k: int, remaining: int) -> int:
@@ -108,14 +114,9 @@ class DraftLength:
         each time as failures pile up, and pays the draft's catch-up on the stretch then
         (:meth:`k_within` counts it). Where even an optimistic acceptance cannot pay it never
         explores (the demo pair on a CPU, where the draft step is most of a target step): the
-        bound never rises above the pool's own. ``chosen_at`` keeps the acceptance k was
-        chosen for."""
-        self.chosen_at = self.estimate.a
-        k = best_k(self.probe, self.chosen_at, self.k_max, self.ratio)
-        if k == 0:
-            self.chosen_at = self.estimate.upper_bound()
-            k = smallest_paying_k(self.probe, self.chosen_at, self.k_max, self.ratio)
-        return k
+        bound never rises above the pool's own."""
+        k = best_k(self.probe, self.estimate.a, self.k_max, self.ratio)
+        return k or smallest_paying_k(self.probe, self.estimate.upper_bound(), self.k_max, self.ratio)
 
 
 def shared_auto_k(policies: list[DraftLength], probe: Probe, rows: int, remaining: float = math.inf,
