@@ -22,10 +22,11 @@ class DecodingParams:
     ``k`` is the draft length (a number, or a policy name: ``heuristic`` adapts it from
     acceptance, ``confidence`` stops drafting when the draft's top probability falls below
     ``confidence``, ``auto`` chooses it from the machine's cost model, down to plain
-    decoding, and drafts past it while the draft is sure of its tokens). ``strategy`` and ``prefix`` choose the translation between tokenizers, and
-    ``partial_word`` whether ``aligned`` verifies the tokens of a word the draft stopped
-    inside (``verify``: one more position in the same forward) or leaves them for the next
-    round (``hold``: fewer rejected candidates, fewer tokens per round). ``draft_vocab`` is how
+    decoding, and drafts past it while the draft is sure of its tokens). ``strategy`` and
+    ``prefix`` choose the translation between tokenizers, and ``partial_word`` whether
+    ``aligned`` verifies the tokens of a word the draft stopped inside (``verify``: one more
+    position in the same forward) or leaves them for the next round (``hold``: fewer rejected
+    candidates, fewer tokens per round). ``draft_vocab`` is how
     many tokens the draft may propose: its most frequent on Polish text (``auto``: the draft's
     default, pruned only where its vocabulary is large; ``full``: all of them). ``temperature``
     0 is greedy. Target candidates per round are capped at ``2 * k_max + 2``.
