@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -26,8 +27,9 @@ from polspec.store.engine import make_engine, session_scope
 from polspec.store.items import Worker, claim_item
 from polspec.store.migrate import upgrade
 from polspec.store.schema import Item, Result
+from polspec.worker.worker import PolspecWorker
 from conftest import sqlite_url
-from helpers import work
+from helpers import wait_for, work
 
 PROMPTS = [
     "Jaka jest stolica Czech?", "Ile nóg ma pająk?", "Kto napisał „Pana Tadeusza”?", "Gdzie leży Zakopane?",
@@ -265,6 +267,22 @@ def test_worker_on_a_misspelled_queue_is_a_one_line_error(env):
     assert output == ("polspec: error: unknown model alias 'gema3-270m'; did you mean gemma3-270m? "
                       "(polspec models list shows them all)\n")
     assert work(env, queues=("polspec-gemma3-270m",)) is False  # a queue name is taken as it is: nothing queued
+
+
+def test_a_worker_stops_listening_for_commands_at_once(env):
+    # RQ's command thread polls once a minute, and a worker's teardown waits for it: after the
+    # UNSUBSCRIBE the thread sleeps a whole poll before it sees the stop. Under the suite's
+    # load that cost a minute per worker exit (the end of every burst, Ctrl+C).
+    connection = redis.Redis.from_url(env["POLSPEC_REDIS_URL"])
+    worker = PolspecWorker([queue_name("smollm2-135m")], connection=connection)
+    worker.subscribe()
+    worker.pubsub.unsubscribe()
+    wait_for(lambda: not worker.pubsub.subscribed, 10, "the command channel to be left")
+    time.sleep(0.2)  # the thread is back in its poll, not subscribed: what teardown meets
+    started = time.monotonic()
+    worker.unsubscribe()
+    assert not worker.pubsub_thread.is_alive()
+    assert time.monotonic() - started < 10  # RQ's own poll: 60 s
 
 
 def test_worker_refuses_an_out_of_date_schema(env):

@@ -14,7 +14,11 @@ Why a subclass (facts in ``design/QUEUE.md``):
   any importable function, and polspec refuses before importing it;
 - with ``batch`` other than 1 a job whose item may share forwards starts a continuous batch
   (:mod:`polspec.worker.batching`), which takes more jobs from the queue itself. RQ's loop
-  still delivers the first job, and handles signals, maintenance and burst mode.
+  still delivers the first job, and handles signals, maintenance and burst mode;
+- RQ listens for commands (``rq.command.send_shutdown_command`` and the like) on a pub/sub
+  thread that wakes once a minute, and its teardown waits for that thread: with redis-py 8 every worker exit (the end
+  of a burst, Ctrl+C) could take up to a minute. Here the thread wakes every
+  :data:`PUBSUB_POLL_S`.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from polspec.worker.batching import BatchRun, job_item
 log = logging.getLogger("polspec.worker")
 
 REDIS_WAIT_MAX_S = 30.0
+PUBSUB_POLL_S = 0.5
 
 
 class PolspecJob(Job):
@@ -77,6 +82,15 @@ class PolspecWorker(SimpleWorker):
         # the whole grace for a late beat (with a grace of 1 a beat 0.2 s late, e.g. while a
         # model loads, was declared abandoned).
         return int(self.job_monitoring_interval + self.heartbeat_grace) + 1
+
+    def subscribe(self) -> None:
+        # RQ's own subscribe with a short poll instead of its 60 s (see the module docstring):
+        # after teardown's UNSUBSCRIBE the thread sleeps a whole poll before it sees the stop.
+        self.log.info("Worker %s: subscribing to channel %s", self.name, self.pubsub_channel_name)
+        self.pubsub = self.connection.pubsub()
+        self.pubsub.subscribe(**{self.pubsub_channel_name: self.handle_payload})
+        self.pubsub_thread = self.pubsub.run_in_thread(sleep_time=PUBSUB_POLL_S, daemon=True,
+                                                       exception_handler=self._pubsub_exception_handler)
 
     def execute_job(self, job: Job, queue: Queue) -> None:
         pairing, size = self._batching(job)
