@@ -16,9 +16,9 @@ Why a subclass (facts in ``design/QUEUE.md``):
   (:mod:`polspec.worker.batching`), which takes more jobs from the queue itself. RQ's loop
   still delivers the first job, and handles signals, maintenance and burst mode;
 - RQ listens for commands (``rq.command.send_shutdown_command`` and the like) on a pub/sub
-  thread that wakes once a minute, and its teardown waits for that thread: with redis-py 8 every worker exit (the end
-  of a burst, Ctrl+C) could take up to a minute. Here the thread wakes every
-  :data:`PUBSUB_POLL_S`.
+  thread that wakes once a minute, and its teardown waits for that thread: with redis-py 8
+  every worker exit (the end of a burst, Ctrl+C) could take up to a minute. Here the thread
+  wakes every :data:`PUBSUB_POLL_S`.
 """
 
 from __future__ import annotations
