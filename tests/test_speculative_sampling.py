@@ -19,7 +19,7 @@ from polspec.decoding.sampling import NUCLEUS_BOUND, nucleus, sampling_logprobs
 from polspec.decoding.draft_vocab import draft_head
 from polspec.decoding.speculative_sampling import SharedDraft, shared_vocabulary, speculative_choices
 
-from decoding_checks import chi_square_critical
+from decoding_checks import OPEN_PROMPT, chi_square_critical, goodness_of_fit, sampled_sequences, two_token_bins
 
 DRAWS = 4000
 
@@ -110,16 +110,66 @@ def test_the_shared_vocabulary_maps_tokens_to_their_byte_twins(gemma3, smollm2):
     q = mx.zeros(sampler.shared.size).at[mx.array(draft_eos)].add(1 / len(draft_eos))
     in_target = np.array(sampler.in_target_space([q], 262_144)[0])
     assert in_target[gemma3.tokenizer.eos_token_id] == pytest.approx(1.0) and in_target.sum() == pytest.approx(1.0)
-    # Gemma-3's one-token words that SmolLM2 splits propose SmolLM2's first token of them, and end the proposal.
+    # Gemma-3's one-token words that SmolLM2 splits propose all of SmolLM2's tokens of them, and
+    # the proposal goes on after them.
     reverse = shared_vocabulary(smollm2, gemma3)
     [polska] = target.encode(" Polska", add_special_tokens=False)
     pieces = draft.encode(" Polska", add_special_tokens=False)
     assert len(pieces) > 1 and reverse.to_target[polska] == pieces[0] and not reverse.twin[polska]
+    assert reverse.pieces[polska][: len(pieces)].tolist() == pieces and reverse.whole[polska]
     [w] = target.encode(" w", add_special_tokens=False)
     proposer = SharedDraft(draft_head(gemma3, "full"), reverse, gemma3)
-    assert proposer.candidates([w, polska, w]) == [draft.encode(" w", add_special_tokens=False)[0], pieces[0]]
+    [draft_w] = draft.encode(" w", add_special_tokens=False)
+    assert proposer.candidates([w, polska, w], cap=10) == [draft_w, *pieces, draft_w]
+    assert proposer.candidates([w, polska, w], cap=2) == [draft_w, pieces[0]]
     identity = shared_vocabulary(gemma3, gemma3)
     assert (identity.to_target == np.arange(len(identity.to_target))).all()
+
+
+@pytest.mark.slow
+def test_a_split_draft_tokens_later_pieces_are_drawn_from_the_drafts_conditional(gemma3, smollm2):
+    """Gemma-3 proposing for SmolLM2, which splits its Polish words: the distribution each
+    candidate was drawn from is, for a word's first piece, the draft's mass on every token that
+    starts with it, and for a later piece the draft's mass on the tokens that start with the
+    pieces before it and go on, by their next piece; counted here token by token."""
+    shared = shared_vocabulary(smollm2, gemma3)
+    proposer = SharedDraft(draft_head(gemma3, "full"), shared, gemma3)
+    target = gemma3.tokenizer._tokenizer
+    [polska] = target.encode(" Polska", add_special_tokens=False)
+    [w] = target.encode(" w", add_special_tokens=False)
+    ids = gemma3.tokenizer.encode("Najdłuższa rzeka w")
+    logits = gemma3.model(mx.array([ids]))[0, -1:].astype(mx.float32)
+    probabilities = [mx.softmax(mx.where(proposer.shared, logits[0], -mx.inf))] * 2
+    candidates = proposer.candidates([polska, w], cap=10)
+    rows = np.array(proposer.distributions([polska, w], probabilities, len(candidates), 49_152))
+    assert rows.shape == (len(candidates), 49_152) and np.allclose(rows.sum(axis=1), 1, atol=1e-3)
+    q = np.array(probabilities[0], dtype=np.float64)
+    pieces = shared.pieces[: len(q)]
+    for index, piece in enumerate(candidates[:-1]):
+        starts = (pieces[:, :index] == candidates[:index]).all(axis=1) & (pieces[:, index] >= 0)
+        expected = np.bincount(pieces[starts, index], weights=q[starts], minlength=49_152)
+        assert np.allclose(rows[index], expected / expected.sum(), rtol=1e-3, atol=1e-6), index
+        assert rows[index][piece] > 0
+    first = np.bincount(np.maximum(pieces[:, 0], 0), weights=q * (pieces[:, 0] >= 0), minlength=49_152)
+    assert np.allclose(rows[-1], first, rtol=1e-3, atol=1e-6)  # " w": the next draft token's first piece
+    assert 0 < rows[1][candidates[1]] < 1  # other words start with " Pol" too, and go on otherwise
+
+
+@pytest.mark.slow
+def test_speculative_sampling_keeps_the_target_distribution_through_split_words(gemma3, smollm2):
+    """SmolLM2 sampling (temperature 0.7) with Gemma-3 drafting, one draft token a round: the
+    draft's Polish words are several SmolLM2 tokens, so a round verifies a word's pieces one
+    after another; two-token samples still follow SmolLM2's exact joint distribution, and some
+    were decided wholly by one split draft word."""
+    samples = 80
+    bins = two_token_bins(smollm2, OPEN_PROMPT, 0.7, samples)
+    params = [DecodingParams(seed=s, max_tokens=2, temperature=0.7, k=1, verify="tli") for s in range(samples)]
+    metrics: list = []
+    sequences = sampled_sequences(smollm2, gemma3, OPEN_PROMPT, params, metrics=metrics)
+    assert any(m.rounds == 1 and m.draft_tokens == 1 and m.candidates_accepted == 2 for m in metrics)
+    statistic, df = goodness_of_fit(sequences, bins)
+    assert df >= 3, f"too few likely sequences to test the distribution: {bins}"
+    assert statistic < chi_square_critical(df), (statistic, df, Counter(map(tuple, sequences)).most_common(5))
 
 
 @pytest.mark.slow

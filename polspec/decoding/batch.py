@@ -181,7 +181,7 @@ class BatchDecoder:
         for sequence, proposal in zip(self.rows, proposals):
             context = sequence.prompt[-sequence.params.prefix - 8:] + sequence.committed
             if sequence.shared is not None:
-                found = sequence.shared.candidates(proposal)
+                found = sequence.shared.candidates(proposal, sequence.params.candidate_cap)
             else:
                 found = translate_proposal(sequence.params, self.tables, proposal, context,
                                            sequence.draft_text.lag if sequence.draft_text else b"", sequence.metrics)
@@ -189,14 +189,13 @@ class BatchDecoder:
         translate_s = time.perf_counter() - clock
 
         clock = time.perf_counter()
-        choices = self._verify(candidates)
+        choices = self._verify(candidates, proposals)
         width = 1 + max(map(len, candidates))  # positions every row fed the target this round
         events, trims, finished = [], [], []
         for row, sequence in enumerate(self.rows):
             new, accepted, stopped = settle_round(
                 candidates[row], choices[row], proposals[row], len(sequence.committed), sequence.params,
-                sequence.eos, sequence.metrics, sequence.policy or _PLAIN,
-                self.tables if sequence.shared is None else None)
+                sequence.eos, sequence.metrics, sequence.policy or _PLAIN, self.tables)
             trims.append(width - 1 - accepted)
             sequence.metrics.plain_rounds += not proposals[row] and sequence.policy is not None
             sequence.committed += new
@@ -362,8 +361,9 @@ class BatchDecoder:
         heads[first] += [row for row, sequence in enumerate(self.rows) if sequence.head is None]
         return heads
 
-    def _verify(self, candidates: list[list[int]]) -> list[list[int]]:
-        """The target's own token at every position of every row, from one batched forward."""
+    def _verify(self, candidates: list[list[int]], proposals: list[list[int]]) -> list[list[int]]:
+        """The target's own token at every position of every row, from one batched forward
+        (``proposals``: the draft tokens each row's candidates came from)."""
         inputs = [[s.pending] + found for s, found in zip(self.rows, candidates)]
         width = max(map(len, inputs))
         logits = self.target.model(mx.array([row + [0] * (width - len(row)) for row in inputs]), cache=self.target_cache)
@@ -371,12 +371,12 @@ class BatchDecoder:
             chosen = mx.argmax(logits, axis=-1).tolist()
             return [row[: len(fed)] for row, fed in zip(chosen, inputs)]
         picks = []
-        for row, (sequence, found) in enumerate(zip(self.rows, candidates)):
+        for row, (sequence, found, proposal) in enumerate(zip(self.rows, candidates, proposals)):
             scores = logits[row, : len(found) + 1]
             if sequence.shared is None:
                 picks.append(sequence.sample(scores))
                 continue
-            drawn_from = (sequence.shared.in_target_space(sequence.probabilities[: len(found)], scores.shape[-1])
+            drawn_from = (sequence.shared.distributions(proposal, sequence.probabilities, len(found), scores.shape[-1])
                           if found else None)
             picks.append(speculative_choices(scores, found, drawn_from, sequence.params, sequence.seed,
                                              len(sequence.committed)))

@@ -15,8 +15,8 @@ One round:
    the draft cache is trimmed to the common prefix and the rest is fed next round.
 
 A sampled round can instead verify by speculative sampling (``params.verify``): the draft
-samples over the vocabulary the two tokenizers share, its tokens map one to one to target
-candidates, and the target accepts each with probability min(1, p/q)
+samples over the draft tokens whose text starts with a target token, each maps to the target
+tokens of its text, and the target accepts each with probability min(1, p/q)
 (:mod:`polspec.decoding.speculative_sampling`); steps 3 and 4 stay as they are.
 """
 
@@ -240,7 +240,7 @@ def generate_speculative(
             candidates = translate_proposal(params, tables, proposal, target_prompt[-params.prefix - 8:] + committed,
                                             draft_side.text.lag, metrics)
         else:
-            candidates = shared.candidates(proposal)
+            candidates = shared.candidates(proposal, params.candidate_cap)
         candidates = candidates[: params.max_tokens - len(committed)]
         now = time.perf_counter()
         metrics.translate_s += now - clock
@@ -250,11 +250,11 @@ def generate_speculative(
         if shared is None:
             choices = sample(logits).tolist()
         else:
-            drawn_from = shared.in_target_space(draft_side.probabilities[: len(candidates)], logits.shape[-1]) \
+            drawn_from = shared.distributions(proposal, draft_side.probabilities, len(candidates), logits.shape[-1]) \
                 if candidates else None
             choices = speculative_choices(logits, candidates, drawn_from, params, seed, position).tolist()
         new, accepted, stopped = settle_round(candidates, choices, proposal, len(committed), params, eos, metrics,
-                                              policy, tables if shared is None else None)
+                                              policy, tables)
         trim(target_cache, len(candidates) - accepted)
         now = time.perf_counter()
         metrics.verify_s += now - clock

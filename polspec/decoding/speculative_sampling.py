@@ -14,12 +14,14 @@ draft to the tokens whose bytes are one target token too (their *twins*: a Sente
 ``▁kot`` and a byte-level ``Ġkot`` are both `` kot``; the draft's end of sequence stands for
 the target's), renormalizes, and maps each proposed draft token to its twin. polspec keeps
 the mass TLI drops: a draft token whose text is several target tokens (Gemma-3's
-`` przepływa``, Qwen2.5's `` prz`` ``ep`` ``ły`` ``wa``) proposes the first of them, so ``q`` of
-a target token is the draft's probability of every token that starts with it; the proposal
-ends there, as the draft has seen more text than the candidate holds. No re-tokenization:
+`` przepływa``, Qwen2.5's `` prz`` ``ep`` ``ły`` ``wa``) proposes all of them, as greedy
+translation does. The first is drawn from ``q`` of a target token = the draft's probability of
+every token that starts with it; each later one from the draft's distribution conditioned on
+its token continuing past the pieces before (the draft tokens that start with them and go
+on, by the piece they put next). Speculative sampling stays exact with any ``q`` a candidate
+was really drawn from, given the committed text and the draft's own draws. No re-tokenization:
 candidates are the mapped tokens themselves, which the target may score although it would
-have split the text otherwise; lossless all the same, since the rule above holds for any
-``q`` that depends only on the committed text.
+have split the text otherwise.
 
 ``p`` and ``q`` are both the sampler's distribution (:func:`~polspec.decoding.sampling.sampling_logprobs`:
 top-p, top-k, temperature), ``q`` over the shared vocabulary of the draft's output layer
@@ -49,18 +51,37 @@ from polspec.models.loader import LoadedModel
 _DRAFT, _ACCEPT = 1, 2
 
 
+# Most target tokens one draft token proposes; a longer split proposes its first MAX_PIECES and
+# ends the proposal there (a 262k-token Gemma-3 word is at most 6 of SmolLM2's 49k tokens on the
+# shipped Polish words).
+MAX_PIECES = 6
+
+
 @dataclass(frozen=True)
 class SharedVocabulary:
-    """The target token each draft token proposes: ``to_target[d]`` is draft token ``d``'s twin
-    (the target token with the same bytes; ``twin[d]``), else the target's first token of its
-    text, else -1 (the draft never proposes it: a special token, part of a character). Where
-    several target tokens have the same bytes (a SentencePiece byte piece ``<0x41>`` beside
-    ``A``), the twin is the one the target's tokenizer produces for them. Several draft tokens
-    map to one target token (`` prz`` and `` przepływa``): its ``q`` is the sum of theirs."""
+    """The target tokens each draft token proposes: ``pieces[d]`` (-1 padded) is draft token
+    ``d``'s twin (the target token with the same bytes), else the target's tokens of its text
+    where they spell it exactly (up to :data:`MAX_PIECES`), else the first of them where it is
+    a proper prefix of it; a row of -1: the draft never proposes it (a special token, part of
+    a character). ``whole[d]``: the pieces spell all of ``d``'s text, so a proposal may go on
+    after it. Where several target tokens have the same bytes (a SentencePiece byte piece
+    ``<0x41>`` beside ``A``), the twin is the one the target's tokenizer produces for them.
+    Several draft tokens map to one first piece (`` prz`` and `` przepływa``): its ``q`` is the
+    sum of theirs."""
 
-    to_target: np.ndarray  # int64 [draft vocabulary]
+    pieces: np.ndarray  # int64 [draft vocabulary, MAX_PIECES]
     target_vocabulary: int
-    twin: np.ndarray  # bool [draft vocabulary]: the draft token's text is exactly its target token's
+    whole: np.ndarray  # bool [draft vocabulary]
+
+    @property
+    def to_target(self) -> np.ndarray:
+        """The first target token each draft token proposes (-1: none)."""
+        return self.pieces[:, 0]
+
+    @property
+    def twin(self) -> np.ndarray:
+        """The draft tokens whose text is exactly one target token."""
+        return self.whole & (self.pieces[:, 0] >= 0) & (self.pieces[:, 1] < 0)
 
     @property
     def size(self) -> int:
@@ -73,9 +94,10 @@ def shared_vocabulary(target: LoadedModel, draft: LoadedModel) -> SharedVocabula
     target_tokenizer, draft_tokenizer = target.tokenizer._tokenizer, draft.tokenizer._tokenizer
     if target.entry.tokenizer_family == draft.entry.tokenizer_family:
         size = len(draft_tokenizer)
-        to_target = np.arange(size)
-        to_target[to_target >= len(target_tokenizer)] = -1
-        return SharedVocabulary(to_target, len(target_tokenizer), to_target >= 0)
+        pieces = np.full((size, MAX_PIECES), -1)
+        pieces[:, 0] = np.arange(size)
+        pieces[pieces[:, 0] >= len(target_tokenizer), 0] = -1
+        return SharedVocabulary(pieces, len(target_tokenizer), pieces[:, 0] >= 0)
     return _byte_twins(draft_tokenizer, target_tokenizer, tuple(draft.tokenizer.eos_token_ids),
                        target.tokenizer.eos_token_id)
 
@@ -84,18 +106,22 @@ def shared_vocabulary(target: LoadedModel, draft: LoadedModel) -> SharedVocabula
 def _byte_twins(draft_tokenizer, target_tokenizer, draft_eos: tuple[int, ...], target_eos: int | None) -> SharedVocabulary:
     draft_table, target_table = token_bytes(draft_tokenizer), token_bytes(target_tokenizer)
     target_ids = _canonical_ids(target_table)
-    to_target = np.array([target_ids.get(raw, -1) if raw else -1 for raw in draft_table.raw])
-    twin = to_target >= 0
-    to_target[~twin] = _first_target_tokens(draft_table, target_table, np.flatnonzero(~twin))
+    pieces = np.full((len(draft_table.raw), MAX_PIECES), -1)
+    pieces[:, 0] = [target_ids.get(raw, -1) if raw else -1 for raw in draft_table.raw]
+    whole = pieces[:, 0] >= 0
+    split = np.flatnonzero(~whole)
+    pieces[split], whole[split] = _target_pieces(draft_table, target_table, split)
     if target_eos is not None:
-        ends = [eos for eos in draft_eos if eos < len(to_target)]
-        to_target[ends], twin[ends] = target_eos, True
-    return SharedVocabulary(to_target, len(target_table.raw), twin)
+        ends = [eos for eos in draft_eos if eos < len(pieces)]
+        pieces[ends], whole[ends] = -1, True
+        pieces[ends, 0] = target_eos
+    return SharedVocabulary(pieces, len(target_table.raw), whole)
 
 
-def _first_target_tokens(draft: TokenBytes, target: TokenBytes, tokens: np.ndarray) -> np.ndarray:
-    """For draft tokens without a twin, the target's first token of their text where it is a
-    proper prefix of it (`` przepływa`` in Qwen2.5's tokens is `` prz``, ``ep``, ...), else -1."""
+def _target_pieces(draft: TokenBytes, target: TokenBytes, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For draft tokens without a twin, the target's tokens of their text and whether they spell
+    all of it (`` przepływa`` in Qwen2.5's tokens is `` prz``, ``ep``, ``ły``, ``wa``); where
+    they do not, only a first token that is a proper prefix of it; else none."""
     texts, which = [], []
     for token in tokens.tolist():
         raw = draft.raw[token]
@@ -104,14 +130,18 @@ def _first_target_tokens(draft: TokenBytes, target: TokenBytes, tokens: np.ndarr
         except (AttributeError, UnicodeDecodeError):  # special, or part of a character
             continue
         which.append(token)
-    first = np.full(len(tokens), -1)
+    pieces = np.full((len(tokens), MAX_PIECES), -1)
+    whole = np.zeros(len(tokens), bool)
     position = {token: index for index, token in enumerate(tokens.tolist())}
     encoded = target.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
     for token, text, ids in zip(which, texts, encoded):
-        head = target.raw[ids[0]] if ids else None
-        if head and text.encode().startswith(head):
-            first[position[token]] = ids[0]
-    return first
+        row = position[token]
+        if ids and target.text(ids) == text.encode():
+            pieces[row, : min(len(ids), MAX_PIECES)] = ids[:MAX_PIECES]
+            whole[row] = len(ids) <= MAX_PIECES
+        elif ids and target.raw[ids[0]] and text.encode().startswith(target.raw[ids[0]]):
+            pieces[row, 0] = ids[0]
+    return pieces, whole
 
 
 def _canonical_ids(table: TokenBytes) -> dict[bytes, int]:
@@ -138,23 +168,30 @@ def _canonical_ids(table: TokenBytes) -> dict[bytes, int]:
 class SharedDraft:
     """A draft output layer (:class:`DraftHead`) proposing under TLI: it samples from its
     distribution restricted to the tokens that propose a target token (see
-    :class:`SharedVocabulary`) and maps what it samples to target ids."""
+    :class:`SharedVocabulary`) and maps what it samples to target candidates, each with the
+    distribution it was drawn from."""
 
     def __init__(self, head: DraftHead, shared: SharedVocabulary, draft: LoadedModel):
         width = head.size if head.size is not None else vocabulary_size(draft.model)
-        to_target = np.full(max(width, len(shared.to_target)), -1)
-        to_target[: len(shared.to_target)] = shared.to_target
-        targets = to_target[np.array(head.keep)] if head.keep is not None else to_target[:width]
+        pieces = np.full((max(width, len(shared.pieces)), MAX_PIECES), -1)
+        pieces[: len(shared.pieces)] = shared.pieces
+        self.whole = np.zeros(len(pieces), bool)
+        self.whole[: len(shared.whole)] = shared.whole
+        by_index = pieces[np.array(head.keep)] if head.keep is not None else pieces[:width]
         self.head = head
-        self.to_target = to_target  # by draft token id
-        self.twin = np.zeros(len(to_target), bool)
-        self.twin[: len(shared.twin)] = shared.twin
-        self.shared = mx.array(targets >= 0)  # by logit index
+        self.pieces = pieces  # by draft token id
+        self.shared = mx.array(by_index[:, 0] >= 0)  # by logit index
+        self.pieces_by_index = mx.array(by_index)
         # Where each logit index's probability lands in the target's vocabulary (added up where
-        # indices share a twin); an index with no twin adds its probability (zero: it is
+        # indices share a first piece); an index with none adds its probability (zero: it is
         # masked) to token 0.
-        self.scatter = mx.array(np.maximum(targets, 0))
-        self.share = float((targets >= 0).mean())
+        self.scatter = mx.array(np.maximum(by_index[:, 0], 0))
+        self.share = float((by_index[:, 0] >= 0).mean())
+
+    @property
+    def to_target(self) -> np.ndarray:
+        """The first target token each draft token id proposes (-1: none)."""
+        return self.pieces[:, 0]
 
     def sample(self, logits: mx.array, params: DecodingParams, seed: int, position: int, step: int
                ) -> tuple[mx.array, mx.array]:
@@ -164,19 +201,45 @@ class SharedDraft:
         index = mx.random.categorical(logprobs, key=position_key(seed, position, _DRAFT, step))
         return index, mx.exp(logprobs)
 
-    def candidates(self, proposal: list[int]) -> list[int]:
-        """The target tokens that proposed draft token ids stand for, up to and including the
-        first that is not a twin (the draft's later tokens follow text the candidates lack)."""
-        found = []
+    def candidates(self, proposal: list[int], cap: int) -> list[int]:
+        """The target tokens that proposed draft token ids stand for, at most ``cap``, up to and
+        including those of the first draft token whose text they do not spell whole (the
+        draft's later tokens follow text the candidates lack)."""
+        found: list[int] = []
         for token in proposal:
-            found.append(int(self.to_target[token]))
-            if not self.twin[token]:
+            found += [int(piece) for piece in self.pieces[token] if piece >= 0]
+            if not self.whole[token]:
                 break
-        return found
+        return found[:cap]
+
+    def distributions(self, proposal: list[int], probabilities: list[mx.array], count: int, width: int) -> mx.array:
+        """The distributions over the target's ``width`` ids that the first ``count``
+        :meth:`candidates` of ``proposal`` were drawn from, lazily [count, width].
+        ``probabilities[s]`` is what the draft drew its ``s``-th token from, over logit indices.
+
+        A draft token's first piece was drawn from its step's distribution mapped to first
+        pieces (:meth:`in_target_space`); a later piece from that distribution restricted to
+        the draft tokens that start with the pieces before it and go on, by the piece they put
+        next: given what the draft drew, exactly the chance of that candidate."""
+        rows = []
+        for step, token in enumerate(proposal):
+            pieces = [int(piece) for piece in self.pieces[token] if piece >= 0]
+            for index in range(len(pieces)):
+                if len(rows) == count:
+                    return mx.stack(rows)
+                if index == 0:
+                    rows.append(self.in_target_space([probabilities[step]], width)[0])
+                    continue
+                follows = (self.pieces_by_index[:, :index] == mx.array(pieces[:index])).all(axis=1) \
+                    & (self.pieces_by_index[:, index] >= 0)
+                weights = mx.where(follows, probabilities[step], 0.0)
+                row = mx.zeros((width,)).at[mx.maximum(self.pieces_by_index[:, index], 0)].add(weights)
+                rows.append(row / weights.sum())
+        return mx.stack(rows)
 
     def in_target_space(self, probabilities: list[mx.array], width: int) -> mx.array:
         """Draft distributions over logit indices as distributions over the target's ``width``
-        ids: each twin gets the probability of every draft token that maps to it."""
+        ids of first pieces: each gets the probability of every draft token that starts with it."""
         rows = mx.stack(probabilities)
         return mx.zeros((rows.shape[0], width)).at[:, self.scatter].add(rows)
 
