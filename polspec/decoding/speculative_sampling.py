@@ -52,8 +52,8 @@ _DRAFT, _ACCEPT = 1, 2
 
 
 # Most target tokens one draft token proposes; a longer split proposes its first MAX_PIECES and
-# ends the proposal there (a 262k-token Gemma-3 word is at most 6 of SmolLM2's 49k tokens on the
-# shipped Polish words).
+# ends the proposal there. Of Gemma-3's tokens of the shipped Polish words, none is more than 5
+# of Qwen2.5's tokens, and 18 of 4,964 are 7 or 8 of SmolLM2's.
 MAX_PIECES = 6
 
 
@@ -256,9 +256,10 @@ def shared_draft(head: DraftHead, target: LoadedModel, draft: LoadedModel) -> Sh
 def polish_coverage(target: LoadedModel, draft: LoadedModel, draft_vocab: int | str = "auto",
                     words: int = 5_000) -> float:
     """The share of the target's tokens on Polish text (its tokens of the ``words`` most frequent
-    shipped words, by frequency) that the draft can propose under TLI: those with a twin in the
-    draft's output layer under ``draft_vocab``. Speculative sampling can accept no other token,
-    so a low share caps its acceptance for the pair."""
+    shipped words, by frequency) that the draft can propose first under TLI: those some token of
+    the draft's output layer under ``draft_vocab`` starts with (its twin, or the first target
+    token of its text). A draft step can open with no other token, so a low share caps the
+    pair's acceptance (the later pieces of split words only add to it)."""
     head = draft_head(draft, draft_vocab)
     sampler = shared_draft(head, target, draft)
     proposable = set(sampler.to_target[np.array(head.keep) if head.keep is not None else slice(None)].tolist())
