@@ -201,13 +201,17 @@ class SharedDraft:
         index = mx.random.categorical(logprobs, key=position_key(seed, position, _DRAFT, step))
         return index, mx.exp(logprobs)
 
+    def pieces_of(self, token: int) -> list[int]:
+        """The target tokens draft token id ``token`` proposes, in order."""
+        return [int(piece) for piece in self.pieces[token] if piece >= 0]
+
     def candidates(self, proposal: list[int], cap: int) -> list[int]:
         """The target tokens that proposed draft token ids stand for, at most ``cap``, up to and
         including those of the first draft token whose text they do not spell whole (the
         draft's later tokens follow text the candidates lack)."""
         found: list[int] = []
         for token in proposal:
-            found += [int(piece) for piece in self.pieces[token] if piece >= 0]
+            found += self.pieces_of(token)
             if not self.whole[token]:
                 break
         return found[:cap]
@@ -223,7 +227,7 @@ class SharedDraft:
         next: given what the draft drew, exactly the chance of that candidate."""
         rows = []
         for step, token in enumerate(proposal):
-            pieces = [int(piece) for piece in self.pieces[token] if piece >= 0]
+            pieces = self.pieces_of(token)
             for index in range(len(pieces)):
                 if len(rows) == count:
                     return mx.stack(rows)
