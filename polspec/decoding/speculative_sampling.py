@@ -18,17 +18,10 @@ the mass TLI drops: a draft token whose text is several target tokens (Gemma-3's
 translation does. The first is drawn from ``q`` of a target token = the draft's probability of
 every token that starts with it; each later one from the draft's distribution conditioned on
 its token continuing past the pieces before (the draft tokens that start with them and go
-on, by the piece they put next). The other way round, a draft whose tokens are finer than the
-target's (SmolLM2's `` prz`` ``ez`` where Qwen2.5 has `` przez``) would propose a piece the
-target seldom writes; so a draft token that is mostly the start of a longer target token on
-Polish text (:attr:`SharedVocabulary.extends`) is merged with the draft's next one: the
-candidate is the longest target token their text starts with, drawn from the draft's next
-distribution mapped that way. Speculative sampling stays exact with any ``q`` a candidate was
-really drawn from, given the committed text and whatever of the draft's own draws it is
-conditioned on: a merge is conditioned on its first draft token, so a token that may merge is
-left out of the distribution a token that may not is drawn from, and text a merge leaves over
-is proposed as drawn (``q`` = 1). No re-tokenization: candidates are the mapped tokens
-themselves, which the target may score although it would have split the text otherwise.
+on, by the piece they put next). Speculative sampling stays exact with any ``q`` a candidate
+was really drawn from, given the committed text and the draft's own draws. No re-tokenization:
+candidates are the mapped tokens themselves, which the target may score although it would
+have split the text otherwise.
 
 ``p`` and ``q`` are both the sampler's distribution (:func:`~polspec.decoding.sampling.sampling_logprobs`:
 top-p, top-k, temperature), ``q`` over the shared vocabulary of the draft's output layer
@@ -39,9 +32,8 @@ alone or in any batch.
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass
-from functools import cached_property, lru_cache
+from functools import lru_cache
 
 from polspec import backend  # noqa: F401  (before mlx: the Linux BLAS fix)
 
@@ -63,11 +55,6 @@ _DRAFT, _ACCEPT = 1, 2
 # ends the proposal there. Of Gemma-3's tokens of the shipped Polish words, none is more than 5
 # of Qwen2.5's tokens, and 18 of 4,964 are 7 or 8 of SmolLM2's.
 MAX_PIECES = 6
-# A draft token extends (merges with the next) where the target writes its text as a token of
-# its own less than this share of the times the draft does, on the most frequent Polish words
-# (EXTEND_WORDS): SmolLM2's `` prz`` (Qwen2.5 writes `` przez``, `` przy``), not its `` w``.
-EXTEND_SHARE = 0.5
-EXTEND_WORDS = 5_000
 
 
 @dataclass(frozen=True)
@@ -80,13 +67,11 @@ class SharedVocabulary:
     after it. Where several target tokens have the same bytes (a SentencePiece byte piece
     ``<0x41>`` beside ``A``), the twin is the one the target's tokenizer produces for them.
     Several draft tokens map to one first piece (`` prz`` and `` przepływa``): its ``q`` is the
-    sum of theirs. ``extends[d]``: ``d`` is a twin whose text the target mostly writes inside a
-    longer token, so a proposal merges it with the draft's next token."""
+    sum of theirs."""
 
     pieces: np.ndarray  # int64 [draft vocabulary, MAX_PIECES]
     target_vocabulary: int
     whole: np.ndarray  # bool [draft vocabulary]
-    extends: np.ndarray  # bool [draft vocabulary]
 
     @property
     def to_target(self) -> np.ndarray:
@@ -112,7 +97,7 @@ def shared_vocabulary(target: LoadedModel, draft: LoadedModel) -> SharedVocabula
         pieces = np.full((size, MAX_PIECES), -1)
         pieces[:, 0] = np.arange(size)
         pieces[pieces[:, 0] >= len(target_tokenizer), 0] = -1
-        return SharedVocabulary(pieces, len(target_tokenizer), pieces[:, 0] >= 0, np.zeros(size, bool))
+        return SharedVocabulary(pieces, len(target_tokenizer), pieces[:, 0] >= 0)
     return _byte_twins(draft_tokenizer, target_tokenizer, tuple(draft.tokenizer.eos_token_ids),
                        target.tokenizer.eos_token_id)
 
@@ -130,26 +115,7 @@ def _byte_twins(draft_tokenizer, target_tokenizer, draft_eos: tuple[int, ...], t
         ends = [eos for eos in draft_eos if eos < len(pieces)]
         pieces[ends], whole[ends] = -1, True
         pieces[ends, 0] = target_eos
-    twins = whole & (pieces[:, 0] >= 0) & (pieces[:, 1] < 0)
-    extends = _extending(draft_table, target_table, np.where(twins, pieces[:, 0], -1))
-    return SharedVocabulary(pieces, len(target_table.raw), whole, extends)
-
-
-def _extending(draft: TokenBytes, target: TokenBytes, twins: np.ndarray) -> np.ndarray:
-    """The draft tokens with a twin (``twins``: its id, else -1) whose text is a proper prefix
-    of some target token and which the target writes as that twin less than
-    :data:`EXTEND_SHARE` of the times the draft writes them, on the frequent Polish words."""
-    texts = sorted(_canonical_ids(target))
-    draft_weights = polish_token_weights(draft.tokenizer, EXTEND_WORDS)
-    target_weights = polish_token_weights(target.tokenizer, EXTEND_WORDS)
-    extends = np.zeros(len(twins), bool)
-    for token, weight in draft_weights.items():
-        twin, raw = twins[token] if token < len(twins) else -1, draft.raw[token] if token < len(draft.raw) else None
-        if twin < 0 or not raw or target_weights.get(int(twin), 0.0) >= EXTEND_SHARE * weight:
-            continue
-        following = bisect.bisect_right(texts, raw)
-        extends[token] = following < len(texts) and texts[following].startswith(raw)
-    return extends
+    return SharedVocabulary(pieces, len(target_table.raw), whole)
 
 
 def _target_pieces(draft: TokenBytes, target: TokenBytes, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -205,32 +171,22 @@ class SharedDraft:
     :class:`SharedVocabulary`) and maps what it samples to target candidates, each with the
     distribution it was drawn from."""
 
-    def __init__(self, head: DraftHead, shared: SharedVocabulary, draft: LoadedModel, target: LoadedModel):
+    def __init__(self, head: DraftHead, shared: SharedVocabulary, draft: LoadedModel):
         width = head.size if head.size is not None else vocabulary_size(draft.model)
-        size = max(width, len(shared.pieces))
-        pieces = np.full((size, MAX_PIECES), -1)
+        pieces = np.full((max(width, len(shared.pieces)), MAX_PIECES), -1)
         pieces[: len(shared.pieces)] = shared.pieces
-        self.whole, self.extends = np.zeros(size, bool), np.zeros(size, bool)
+        self.whole = np.zeros(len(pieces), bool)
         self.whole[: len(shared.whole)] = shared.whole
-        self.extends[: len(shared.extends)] = shared.extends
-        ids = np.array(head.keep) if head.keep is not None else np.arange(width)
-        self.index_of = np.full(size, -1)  # draft token id -> logit index
-        self.index_of[ids] = np.arange(len(ids))
-        by_index = pieces[ids]
+        by_index = pieces[np.array(head.keep)] if head.keep is not None else pieces[:width]
         self.head = head
         self.pieces = pieces  # by draft token id
         self.shared = mx.array(by_index[:, 0] >= 0)  # by logit index
         self.pieces_by_index = mx.array(by_index)
-        self.drawn_alone = mx.array(~self.extends[ids])  # by logit index: tokens that never merge
         # Where each logit index's probability lands in the target's vocabulary (added up where
         # indices share a first piece); an index with none adds its probability (zero: it is
         # masked) to token 0.
         self.scatter = mx.array(np.maximum(by_index[:, 0], 0))
         self.share = float((by_index[:, 0] >= 0).mean())
-        self._draft_bytes = token_bytes(draft.tokenizer._tokenizer)
-        self._target_bytes = token_bytes(target.tokenizer._tokenizer)
-        self._ids = ids
-        self._merges: dict[int, np.ndarray] = {}
 
     @property
     def to_target(self) -> np.ndarray:
@@ -250,122 +206,40 @@ class SharedDraft:
         return [int(piece) for piece in self.pieces[token] if piece >= 0]
 
     def candidates(self, proposal: list[int], cap: int) -> list[int]:
-        """The target tokens that proposed draft token ids stand for, at most ``cap``: each
-        token's pieces, or for a token that extends, the longest target token its text and the
-        next one's start with, then the target's tokens of what that leaves; up to and including
-        those of the first draft token whose text they do not spell whole (the draft's later
-        tokens follow text the candidates lack)."""
-        return [candidate for candidate, _ in self._walk(proposal)][:cap]
+        """The target tokens that proposed draft token ids stand for, at most ``cap``, up to and
+        including those of the first draft token whose text they do not spell whole (the
+        draft's later tokens follow text the candidates lack)."""
+        found: list[int] = []
+        for token in proposal:
+            found += self.pieces_of(token)
+            if not self.whole[token]:
+                break
+        return found[:cap]
 
     def distributions(self, proposal: list[int], probabilities: list[mx.array], count: int, width: int) -> mx.array:
         """The distributions over the target's ``width`` ids that the first ``count``
         :meth:`candidates` of ``proposal`` were drawn from, lazily [count, width].
         ``probabilities[s]`` is what the draft drew its ``s``-th token from, over logit indices.
 
-        A draft token's first piece was drawn from its step's distribution restricted to the
-        tokens that do not extend (and, after a merge that took none of it, to those that
-        merge so), mapped to first pieces (:meth:`in_target_space`); a later piece from that
-        restricted to the draft tokens that start with the pieces before it and go on, by the
-        piece they put next. A merge was drawn, given the token that extends, from the next
-        step's distribution mapped to merged tokens; the rest of a merge, given both tokens,
-        is certain. Given what the draft drew, each is exactly the chance of that candidate."""
+        A draft token's first piece was drawn from its step's distribution mapped to first
+        pieces (:meth:`in_target_space`); a later piece from that distribution restricted to
+        the draft tokens that start with the pieces before it and go on, by the piece they put
+        next: given what the draft drew, exactly the chance of that candidate."""
         rows = []
-        for _, (kind, step, detail) in self._walk(proposal)[:count]:
-            if kind == "given":
-                rows.append(mx.zeros((width,)).at[detail].add(1.0))
-            elif kind == "merged":
-                rows.append(mx.zeros((width,)).at[mx.array(self.merges(detail))].add(probabilities[step]))
-            else:
-                pieces, after = detail
-                allowed = self.drawn_alone
-                if after is not None:
-                    allowed = allowed & mx.array(self.merges(after) == self.pieces[after, 0])
-                index = len(pieces)
-                if index:
-                    allowed = allowed & (self.pieces_by_index[:, :index] == mx.array(pieces)).all(axis=1) \
-                        & (self.pieces_by_index[:, index] >= 0)
-                weights = mx.where(allowed, probabilities[step], 0.0)
+        for step, token in enumerate(proposal):
+            pieces = self.pieces_of(token)
+            for index in range(len(pieces)):
+                if len(rows) == count:
+                    return mx.stack(rows)
+                if index == 0:
+                    rows.append(self.in_target_space([probabilities[step]], width)[0])
+                    continue
+                follows = (self.pieces_by_index[:, :index] == mx.array(pieces[:index])).all(axis=1) \
+                    & (self.pieces_by_index[:, index] >= 0)
+                weights = mx.where(follows, probabilities[step], 0.0)
                 row = mx.zeros((width,)).at[mx.maximum(self.pieces_by_index[:, index], 0)].add(weights)
                 rows.append(row / weights.sum())
         return mx.stack(rows)
-
-    def _walk(self, proposal: list[int]) -> list[tuple[int, tuple]]:
-        """Each candidate of ``proposal`` with how it was drawn: ``("drawn", step, (pieces
-        before it, the extending token a merge took none of this step from, or None))``,
-        ``("merged", step, extending token)`` or ``("given", step, candidate)``."""
-        found: list[tuple[int, tuple]] = []
-        step, after = 0, None
-        while step < len(proposal):
-            token = proposal[step]
-            if self.extends[token]:
-                twin = int(self.pieces[token, 0])
-                if step + 1 == len(proposal):  # nothing to merge with: given the token, its twin is certain
-                    found.append((twin, ("given", step, twin)))
-                    break
-                following = proposal[step + 1]
-                merged = int(self.merges(token)[self.index_of[following]])
-                found.append((merged, ("merged", step + 1, token)))
-                if merged == twin:  # the next token starts a target token of its own
-                    step, after = step + 1, token
-                    continue
-                text = self._draft_bytes.text([token, following])
-                rest = self._spell(text[len(self._target_bytes.raw[merged]):])
-                found += [(piece, ("given", step + 1, piece)) for piece in rest or []]
-                if rest is None:
-                    break
-                step, after = step + 2, None
-                continue
-            pieces = self.pieces_of(token)
-            found += [(piece, ("drawn", step, (pieces[:index], after))) for index, piece in enumerate(pieces)]
-            if not self.whole[token]:
-                break
-            step, after = step + 1, None
-        return found
-
-    def merges(self, token: int) -> np.ndarray:
-        """For an extending draft ``token``, the target token each logit index of the draft's
-        next step merges it into: the longest whose text is ``token``'s text followed by a
-        start of that index's text (``token``'s twin where none is longer); cached per token."""
-        merged = self._merges.get(token)
-        if merged is None:
-            merged = self._merges[token] = self._merge_table(token)
-        return merged
-
-    def _merge_table(self, token: int) -> np.ndarray:
-        head = self._draft_bytes.raw[token]
-        merged = np.full(len(self._ids), self.pieces[token, 0])
-        texts, ids = self._target_texts
-        draft_texts, draft_indices = self._draft_texts
-        longer = range(bisect.bisect_right(texts, head), bisect.bisect_left(texts, head + b"\xff"))
-        for position in sorted(longer, key=lambda at: len(texts[at])):  # the longest is set last
-            tail = texts[position][len(head):]
-            low, high = bisect.bisect_left(draft_texts, tail), bisect.bisect_left(draft_texts, tail + b"\xff")
-            merged[draft_indices[low:high]] = ids[position]
-        return merged
-
-    @cached_property
-    def _target_texts(self) -> tuple[list[bytes], list[int]]:
-        """The target's token texts, sorted, with their ids."""
-        ids = _canonical_ids(self._target_bytes)
-        texts = sorted(ids)
-        return texts, [ids[text] for text in texts]
-
-    @cached_property
-    def _draft_texts(self) -> tuple[list[bytes], np.ndarray]:
-        """The texts of the draft's proposable logit indices, sorted, with the indices."""
-        ordered = sorted((raw, index) for index, token in enumerate(self._ids.tolist())
-                         if (raw := self._draft_bytes.raw[token]) and self.pieces[token, 0] >= 0)
-        return [raw for raw, _ in ordered], np.array([index for _, index in ordered])
-
-    def _spell(self, text: bytes) -> list[int] | None:
-        """The target's tokens of ``text`` where they spell it exactly ([] for none), else None."""
-        if not text:
-            return []
-        try:
-            ids = self._target_bytes.encode(text)
-        except UnicodeDecodeError:  # ends inside a character
-            return None
-        return ids if self._target_bytes.text(ids) == text else None
 
     def in_target_space(self, probabilities: list[mx.array], width: int) -> mx.array:
         """Draft distributions over logit indices as distributions over the target's ``width``
@@ -379,7 +253,7 @@ def shared_draft(head: DraftHead, target: LoadedModel, draft: LoadedModel) -> Sh
     once per head and target (a few ms over a 262k vocabulary) and kept with the head."""
     cached = head.shared_drafts.get(target.entry.alias)
     if cached is None:
-        cached = head.shared_drafts[target.entry.alias] = SharedDraft(head, shared_vocabulary(target, draft), draft, target)
+        cached = head.shared_drafts[target.entry.alias] = SharedDraft(head, shared_vocabulary(target, draft), draft)
     return cached
 
 
