@@ -107,7 +107,7 @@ def main() -> None:
     if args.repeats < 1:
         parser.error(f"--repeats must be 1 or more, got {args.repeats}")
     info = backend.setup()
-    print(f"MLX {info.mlx_version} on {info.device}, dtype {info.dtype}, BLAS fix {'on' if info.blas.active else 'off'}\n")
+    print(info.summary + "\n")
     target = load_model(args.target)
     datasets = args.datasets.split(",")
     prompts = bench_prompts(datasets, args.prompts)

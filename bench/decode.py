@@ -125,7 +125,7 @@ def main() -> None:
     parser.add_argument("--no-fidelity", action="store_true", help="Only the speed table.")
     args = parser.parse_args()
     info = backend.setup()
-    print(f"MLX {info.mlx_version} on {info.device}, dtype {info.dtype}, BLAS fix {'on' if info.blas.active else 'off'}\n")
+    print(info.summary + "\n")
     if not args.no_fidelity:
         print("Oracle fidelity (candidates accepted / committed tokens per round):\n")
         print(fidelity_table([2, 4]))

@@ -45,7 +45,7 @@ def main() -> None:
     parser.add_argument("--draft-temperatures", default="0.5,0.7,0.85,1.0,1.2,1.5")
     args = parser.parse_args()
     info = backend.setup()
-    print(f"MLX {info.mlx_version} on {info.device}, dtype {info.dtype}, BLAS fix {'on' if info.blas.active else 'off'}")
+    print(info.summary)
     temperatures = [float(t) for t in args.draft_temperatures.split(",")]
     target, draft = load_model(args.target), load_model(args.draft)
     head = draft_head(draft, "auto")

@@ -49,7 +49,7 @@ def main() -> None:
     args = parser.parse_args()
     info = backend.setup()
     k = int(args.k) if args.k.isdigit() else args.k
-    print(f"MLX {info.mlx_version} on {info.device}, dtype {info.dtype}, BLAS fix {'on' if info.blas.active else 'off'}")
+    print(info.summary)
     print(f"\nTarget {args.target}, temperature {args.temperature}, k={k}, {args.max_tokens} tokens, "
           f"{args.prompts} prompts per dataset, seeds 0..{args.prompts - 1}:\n")
     print("| draft | dataset | verify | speed vs target-only sampling (median, min-max) | mean [95% interval] "

@@ -57,6 +57,11 @@ class Backend:
     dtype: str  # the dtype policy, one of polspec.settings.DTYPES
     blas: BlasFix
 
+    @property
+    def summary(self) -> str:
+        """One line naming what a measurement ran on: MLX version, device, dtype and BLAS fix."""
+        return f"MLX {self.mlx_version} on {self.device}, dtype {self.dtype}, BLAS fix {'on' if self.blas.active else 'off'}"
+
 
 def _openblas_candidates() -> list[Path]:
     """cmeel-openblas in every site-packages on the path, then the system's OpenBLAS."""
