@@ -33,7 +33,7 @@ TARGET = "smollm2-135m"
 
 
 def enqueue(env: dict[str, str], limit: int, max_tokens: int) -> int:
-    result = CliRunner().invoke(main, ["enqueue", "generate", "--dataset", "pl-wiki", "--limit", str(limit),
+    result = CliRunner().invoke(main, ["enqueue", "generate", "--dataset", "pl-instruct", "--limit", str(limit),
                                        "--target", TARGET, "--max-tokens", str(max_tokens), "--raw", "--json"], env=env)
     assert result.exit_code == 0, result.output
     return json.loads(result.output)["batch"]
@@ -229,7 +229,7 @@ def test_second_sigterm_stops_a_batch_at_once_and_its_items_run_again(env):
 
 
 def test_an_item_past_its_job_timeout_in_a_batch_fails_like_a_timed_out_job_and_is_retried(env):
-    enqueue(env, limit=2, max_tokens=200)
+    enqueue(env, limit=2, max_tokens=100)  # several seconds an item, each attempt
     connection = redis.Redis.from_url(env["POLSPEC_REDIS_URL"])
     queue = Queue(queue_name(TARGET), connection=connection, serializer=JSONSerializer)
     jobs = queue.get_jobs()

@@ -12,6 +12,7 @@ import pytest
 from mlx_lm import generate, load
 
 from conftest import ENGLISH_TEXT, POLISH_TEXT
+from reference_cache import kept_array
 from polspec.models.fetch import fetch_wheel_source
 from polspec.models.loader import LoadedModel
 from polspec.models.sources import parse_source
@@ -93,20 +94,25 @@ def test_gemma3_continues_polish_in_polish(gemma3):
 @pytest.mark.parametrize("name", ["smollm2", "gemma3"])
 def test_logits_match_transformers_reference(request, name):
     """transformers (with torch) loading the same GGUF file is the reference implementation."""
-    torch = pytest.importorskip("torch", reason="the reference needs torch (pip install 'polspec[reference]')")
-    pytest.importorskip("accelerate", reason="transformers needs accelerate to load GGUF weights")
-    from transformers import AutoModelForCausalLM
-
     loaded = request.getfixturevalue(name)
-    gguf_file = fetch_wheel_source(parse_source(loaded.entry.source), loaded.entry.sha256)
-    reference = AutoModelForCausalLM.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name, dtype=torch.float32)
-    if name == "gemma3":
-        # mlx-lm rounds Gemma's embedding scale sqrt(hidden) to bfloat16 on purpose (as the
-        # original implementation does); give the reference the same constant.
-        scale = torch.tensor(reference.config.hidden_size**0.5).to(torch.bfloat16).float()
-        reference.model.embed_tokens.embed_scale.fill_(scale)
     ids = loaded.tokenizer.encode(POLISH_TEXT)
-    with torch.no_grad():
-        expected = reference(torch.tensor([ids])).logits[0].numpy()
+
+    def reference_logits() -> np.ndarray:
+        torch = pytest.importorskip("torch", reason="the reference needs torch (pip install 'polspec[reference]')")
+        pytest.importorskip("accelerate", reason="transformers needs accelerate to load GGUF weights")
+        from transformers import AutoModelForCausalLM
+
+        gguf_file = fetch_wheel_source(parse_source(loaded.entry.source), loaded.entry.sha256)
+        reference = AutoModelForCausalLM.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name,
+                                                         dtype=torch.float32)
+        if name == "gemma3":
+            # mlx-lm rounds Gemma's embedding scale sqrt(hidden) to bfloat16 on purpose (as the
+            # original implementation does); give the reference the same constant.
+            scale = torch.tensor(reference.config.hidden_size**0.5).to(torch.bfloat16).float()
+            reference.model.embed_tokens.embed_scale.fill_(scale)
+        with torch.no_grad():
+            return reference(torch.tensor([ids])).logits[0].numpy()
+
+    expected = kept_array("logits", loaded.entry.sha256, [name, ids], reference_logits)
     actual = np.array(loaded.model(mx.array([ids]))[0])
     np.testing.assert_allclose(actual, expected, atol=1e-3, rtol=0)

@@ -38,6 +38,8 @@ from polspec.models.tokenizers import (
     tokenizer_from_directory,
 )
 
+from reference_cache import kept_json
+
 POLISH_TEXTS = (
     "Zażółć gęślą jaźń.",
     "ZAŻÓŁĆ GĘŚLĄ JAŹŃ: ĄĆĘŁŃÓŚŹŻ i ąćęłńóśźż.",
@@ -352,19 +354,25 @@ def test_llama3_chat_template_is_llama3s(tokenizer_of) -> None:
 # --- GGUF-imported models against independent readings of the same file ----------------------
 
 
-@pytest.mark.slow  # reads every GGUF file whole, weights included
+@pytest.mark.slow  # reads every GGUF file whole, weights included (once per machine: reference_cache)
 @pytest.mark.parametrize("alias", GGUF_ALIASES)
-def test_imported_tokenizer_matches_transformers_reading_the_gguf(alias: str, tokenizer_of, gguf_file_of) -> None:
+def test_imported_tokenizer_matches_transformers_reading_the_gguf(alias: str, registry, tokenizer_of, gguf_file_of) -> None:
     """transformers builds a tokenizer straight from the GGUF file: the import must change nothing."""
-    pytest.importorskip("torch", reason="transformers reads GGUF tokenizers only with torch installed")
-    path = gguf_file_of(alias)
-    reference = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    texts = [*POLISH_TEXTS, "Ala<|im_end|>ma<eos>kota<bos>"]
+
+    def reference_reading() -> dict:
+        pytest.importorskip("torch", reason="transformers reads GGUF tokenizers only with torch installed")
+        path = gguf_file_of(alias)
+        reference = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        return {"vocab": reference.get_vocab(), "special": [reference.bos_token, reference.eos_token],
+                "chat_template": reference.chat_template, "ids": [reference.encode(text) for text in texts]}
+
+    reference = kept_json("tokenizer", registry.model(alias).sha256, texts, reference_reading)
     tokenizer = tokenizer_of(alias)
-    assert tokenizer.get_vocab() == reference.get_vocab()
-    assert (tokenizer.bos_token, tokenizer.eos_token) == (reference.bos_token, reference.eos_token)
-    assert tokenizer.chat_template == reference.chat_template
-    for text in POLISH_TEXTS + ("Ala<|im_end|>ma<eos>kota<bos>",):
-        assert tokenizer.encode(text) == reference.encode(text)
+    assert tokenizer.get_vocab() == reference["vocab"]
+    assert [tokenizer.bos_token, tokenizer.eos_token] == reference["special"]
+    assert tokenizer.chat_template == reference["chat_template"]
+    assert [tokenizer.encode(text) for text in texts] == reference["ids"]
 
 
 @pytest.mark.parametrize("text", POLISH_TEXTS)

@@ -1,0 +1,64 @@
+"""Answers of the reference implementation, kept between test runs on one machine.
+
+transformers reading a GGUF file is what the importer is tested against, and it is slow on a
+2-core CPU (10-40 s a model: it reads and converts the whole file). Its answer depends only on
+the file, the question, the code that asks it and the versions of the libraries that answer,
+so it is computed once per machine and kept under POLSPEC_HOME beside the fetched models; a
+change to any of those computes it anew. The polspec side of each comparison always runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+from collections.abc import Callable
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from polspec.settings import polspec_home
+
+REFERENCE_PACKAGES = ("transformers", "torch", "tokenizers", "gguf")
+
+
+def _path(kind: str, sha256: str, question: Any, compute: Callable, suffix: str) -> Path:
+    versions = {name: _version(name) for name in REFERENCE_PACKAGES}
+    key = json.dumps([kind, sha256, question, inspect.getsource(compute), versions], sort_keys=True, ensure_ascii=False)
+    folder = polspec_home() / "test-references"
+    folder.mkdir(exist_ok=True)
+    return folder / f"{kind}-{hashlib.sha256(key.encode()).hexdigest()[:32]}{suffix}"
+
+
+def _version(package: str) -> str | None:
+    try:
+        return version(package)
+    except Exception:  # not installed: part of the key all the same
+        return None
+
+
+def kept_array(kind: str, sha256: str, question: Any, compute: Callable[[], np.ndarray]) -> np.ndarray:
+    """``compute()`` for the GGUF file ``sha256`` and ``question`` (JSON), from the machine's
+    store when it was computed before with the same reference libraries."""
+    path = _path(kind, sha256, question, compute, ".npy")
+    if path.exists():
+        return np.load(path)
+    answer = compute()
+    partial = path.with_suffix(".partial.npy")
+    np.save(partial, answer)
+    partial.replace(path)
+    return answer
+
+
+def kept_json(kind: str, sha256: str, question: Any, compute: Callable[[], Any]) -> Any:
+    """Like :func:`kept_array` for an answer that JSON holds."""
+    path = _path(kind, sha256, question, compute, ".json")
+    if path.exists():
+        return json.loads(path.read_text())
+    answer = compute()
+    partial = path.with_suffix(".partial")
+    partial.write_text(json.dumps(answer, ensure_ascii=False))
+    partial.replace(path)
+    return json.loads(path.read_text())
