@@ -293,5 +293,16 @@ def speculative_choices(logits: mx.array, candidates: list[int], draft_probabili
     rows = mx.arange(len(candidates))
     accepted = mx.random.uniform(shape=(len(candidates),), key=accept_key) * draft_probabilities[rows, proposed] \
         < p[rows, proposed]
-    replacement = mx.random.categorical(mx.log(mx.maximum(p - draft_probabilities, 0.0)), key=residual_key)
+    replacement = draw_in_proportion(mx.maximum(p - draft_probabilities, 0.0), residual_key)
     return mx.concatenate([mx.where(accepted, proposed, replacement), bonus])
+
+
+def draw_in_proportion(weights: mx.array, key: mx.array) -> mx.array:
+    """An index of each row of ``weights`` (non-negative, unnormalized) drawn with probability
+    proportional to its weight, lazily. Inverse CDF: one uniform number a row where a
+    categorical draw takes Gumbel noise and a log over the whole vocabulary (0.5 ms against
+    7.5 ms for two rows of 152k on a 2-core CPU). A row of zeros (p = q: every candidate is
+    accepted, so its draw is never used) gives the last index."""
+    cumulative = mx.cumsum(weights, axis=-1)
+    threshold = mx.random.uniform(shape=(weights.shape[0], 1), key=key) * cumulative[:, -1:]
+    return mx.minimum((cumulative <= threshold).sum(axis=-1), weights.shape[-1] - 1)
