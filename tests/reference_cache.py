@@ -13,7 +13,7 @@ import hashlib
 import inspect
 import json
 from collections.abc import Callable
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
@@ -35,30 +35,28 @@ def _path(kind: str, sha256: str, question: Any, compute: Callable, suffix: str)
 def _version(package: str) -> str | None:
     try:
         return version(package)
-    except Exception:  # not installed: part of the key all the same
+    except PackageNotFoundError:  # not installed: part of the key all the same
         return None
+
+
+def _kept(path: Path, compute: Callable[[], Any], write: Callable[[Path, Any], None], read: Callable[[Path], Any]) -> Any:
+    """What ``read`` gives back from ``path``, written there first (whole or not at all) from
+    ``compute()`` when it is not there yet."""
+    if not path.exists():
+        partial = path.with_name(f"partial-{path.name}")
+        write(partial, compute())
+        partial.replace(path)
+    return read(path)
 
 
 def kept_array(kind: str, sha256: str, question: Any, compute: Callable[[], np.ndarray]) -> np.ndarray:
     """``compute()`` for the GGUF file ``sha256`` and ``question`` (JSON), from the machine's
-    store when it was computed before with the same reference libraries."""
-    path = _path(kind, sha256, question, compute, ".npy")
-    if path.exists():
-        return np.load(path)
-    answer = compute()
-    partial = path.with_suffix(".partial.npy")
-    np.save(partial, answer)
-    partial.replace(path)
-    return answer
+    store when it was computed before by the same code with the same reference libraries."""
+    return _kept(_path(kind, sha256, question, compute, ".npy"), compute, np.save, np.load)
 
 
 def kept_json(kind: str, sha256: str, question: Any, compute: Callable[[], Any]) -> Any:
-    """Like :func:`kept_array` for an answer that JSON holds."""
-    path = _path(kind, sha256, question, compute, ".json")
-    if path.exists():
-        return json.loads(path.read_text())
-    answer = compute()
-    partial = path.with_suffix(".partial")
-    partial.write_text(json.dumps(answer, ensure_ascii=False))
-    partial.replace(path)
-    return json.loads(path.read_text())
+    """Like :func:`kept_array` for an answer that JSON holds (as JSON gives it back: lists, not tuples)."""
+    return _kept(_path(kind, sha256, question, compute, ".json"), compute,
+                 lambda path, answer: path.write_text(json.dumps(answer, ensure_ascii=False)),
+                 lambda path: json.loads(path.read_text()))
