@@ -37,7 +37,7 @@ from polspec.decoding import DecodingParams, generate
 from polspec.decoding.draft_vocab import draft_head
 from polspec.decoding.kv import new_cache, prefill
 from polspec.decoding.prompts import encode_prompt
-from polspec.decoding.sampling import sampling_logprobs
+from polspec.decoding.sampling import draw_in_proportion, sampling_probabilities
 from polspec.decoding.speculative_sampling import shared_draft
 from polspec.decoding.translate import token_bytes
 from polspec.jobs.datasets import load_dataset
@@ -71,7 +71,7 @@ def main() -> None:
         prompt_ids = encode_prompt(target, item.prompt, chat=False)
         draft_prompt = encode_prompt(draft, item.prompt, chat=False)
         logits = target.model(mx.array([prompt_ids + continuation]))[0, len(prompt_ids) - 1:-1]
-        p = mx.exp(sampling_logprobs(logits, params))
+        p = sampling_probabilities(logits, params)
         width = p.shape[-1]
         for position in range(len(continuation)):
             text = target.tokenizer.decode(continuation[:position])
@@ -81,11 +81,11 @@ def main() -> None:
             draft_logits = mx.where(sampler.shared, head(mx.array([ids]), new_cache(draft.model, draft.entry.alias))[0],
                                     -mx.inf)
             for t in temperatures:
-                q = sampler.in_target_space([mx.exp(sampling_logprobs(draft_logits, dataclasses.replace(params, temperature=t)))], width)[0]
+                q = sampler.in_target_space([sampling_probabilities(draft_logits, dataclasses.replace(params, temperature=t))], width)[0]
                 overlaps[t].append(mx.minimum(p[position], q).sum().item())
             if args.string_level:
                 key = mx.random.key(seed * 10_000 + position)
-                q = sampler.in_target_space([mx.exp(sampling_logprobs(draft_logits, params))], width)
+                q = sampler.in_target_space([sampling_probabilities(draft_logits, params)], width)
                 tli_exact.append(mx.minimum(p[position], q[0]).sum().item())
                 tli_sampled.append(sampled_overlap(p[position], mx.random.categorical(
                     mx.log(q), num_samples=args.string_level, key=key)[0].tolist()))
@@ -122,7 +122,7 @@ def first_target_tokens(target, draft, head, ids: list[int], params: DecodingPar
     logits = mx.repeat(logits, samples, axis=0)
     drawn = []
     for step, step_key in enumerate(mx.random.split(key, steps)):
-        token = mx.random.categorical(sampling_logprobs(logits, params), key=step_key)
+        token = draw_in_proportion(sampling_probabilities(logits, params), step_key)
         drawn.append(head.vocabulary_ids(token))
         if step < steps - 1:
             logits = head(token[:, None], cache)

@@ -13,7 +13,7 @@ import numpy as np
 from polspec.decoding.batch import stream_batch
 from polspec.decoding.params import DecodingParams
 from polspec.decoding.run import encode_prompt
-from polspec.decoding.sampling import sampling_logprobs
+from polspec.decoding.sampling import sampling_probabilities
 
 TIE = 1e-5
 
@@ -44,8 +44,7 @@ OPEN_PROMPT = "Lubię jeść"  # likely two-token continuations enough to test e
 
 def next_token_probabilities(model, ids: list[int], params: DecodingParams) -> np.ndarray:
     """The target-only sampler's distribution after ``ids`` (temperature, top-p, top-k)."""
-    logprobs = sampling_logprobs(mx.array(last_logits(model, ids)), params)
-    return np.exp(np.array(logprobs).astype(np.float64))
+    return np.array(sampling_probabilities(mx.array(last_logits(model, ids)), params)).astype(np.float64)
 
 
 def two_token_bins(model, prompt: str, temperature: float, samples: int, top_p: float = 1.0,

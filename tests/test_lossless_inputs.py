@@ -187,14 +187,18 @@ def test_one_token_is_the_target_first_choice(request, baseline, pair):
 
 
 def test_speculative_sampling_through_the_twin_pair_accepts_nearly_everything(smollm2, twin):
-    """The twin drafts with the target's own distribution (q = p on every token it maps), so
-    speculative sampling accepts every candidate up to float rounding: a wrong mapping between
-    the vocabularies, or p and q computed differently, would show as rejections."""
+    """The twin drafts with the target's own distribution (q = p on every token it maps, with
+    its full vocabulary: a pruned one lacks the tokens of Cyrillic text the target may sample),
+    so speculative sampling accepts nearly every candidate: a wrong mapping between the
+    vocabularies, or p and q computed differently, would show as rejections. Not all: where the
+    target samples a character as byte pieces, the twin reads the text as it would write it,
+    as one token, and its q there is not p."""
     metrics = DecodeMetrics()
-    for seed, prompt in enumerate((INPUTS["mid-word"], INPUTS["trailing whitespace"])):
-        run = speculate(smollm2, twin, prompt, DecodingParams(max_tokens=MAX_TOKENS, k=3, temperature=0.8, seed=seed,
-                                                              verify="tli"), chat=False)
-        assert run.metrics.verify == "tli"
-        metrics.candidates += run.metrics.candidates
-        metrics.candidates_accepted += run.metrics.candidates_accepted
-    assert metrics.acceptance_per_candidate > 0.95, (metrics.candidates_accepted, metrics.candidates)
+    for seed in range(4):
+        for prompt in (INPUTS["mid-word"], INPUTS["trailing whitespace"]):
+            run = speculate(smollm2, twin, prompt, DecodingParams(max_tokens=MAX_TOKENS, k=3, temperature=0.8, seed=seed,
+                                                                  verify="tli", draft_vocab="full"), chat=False)
+            assert run.metrics.verify == "tli"
+            metrics.candidates += run.metrics.candidates
+            metrics.candidates_accepted += run.metrics.candidates_accepted
+    assert metrics.acceptance_per_candidate > 0.9, (metrics.candidates_accepted, metrics.candidates)

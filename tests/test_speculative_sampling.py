@@ -1,5 +1,5 @@
-"""Speculative sampling across tokenizers (TLI): the acceptance rule keeps the target's
-distribution exactly, the shared vocabulary maps tokens to their byte twins, and seeds give
+"""The sampler's distribution and draws, and speculative sampling across tokenizers (TLI):
+the acceptance rule keeps the target's distribution exactly, the shared vocabulary maps tokens to their byte twins, and seeds give
 the same samples alone and in a batch. The chi-square tests through the decoders on real
 models are beside the other sampled-distribution tests (test_decoding, test_batch,
 test_draft_vocab)."""
@@ -15,7 +15,8 @@ from mlx_lm.sample_utils import apply_top_p
 
 from polspec.decoding import DecodingParams, generate
 from polspec.decoding.batch import stream_batch
-from polspec.decoding.sampling import NUCLEUS_BOUND, nucleus, sampling_logprobs
+from polspec.decoding import sampling
+from polspec.decoding.sampling import NUCLEUS_BOUND, draw_in_proportion, nucleus, sampling_probabilities
 from polspec.decoding.draft_vocab import draft_head
 from polspec.decoding.speculative_sampling import SharedDraft, shared_vocabulary, speculative_choices
 
@@ -34,6 +35,48 @@ def first_token_fit(tokens: np.ndarray, p: np.ndarray) -> tuple[float, int]:
     if rest[1] > 1e-9:
         statistic += (rest[0] - rest[1]) ** 2 / rest[1]
     return statistic, int(likely.sum()) - (0 if rest[1] > 1e-9 else 1)
+
+
+def tempered_top_k(logits: np.ndarray, temperature: float, top_k: int) -> np.ndarray:
+    """The sampler's distribution without top-p, in float64: the ``top_k`` most likely tokens
+    (all where 0), then the temperature."""
+    scores = logits.astype(np.float64)
+    if top_k:
+        scores = np.where(scores < np.sort(scores, axis=-1)[:, -top_k:-top_k + 1], -np.inf, scores)
+    weights = np.exp((scores - scores.max(axis=-1, keepdims=True)) / temperature)
+    return weights / weights.sum(axis=-1, keepdims=True)
+
+
+@pytest.mark.parametrize("temperature, top_p, top_k", [(0.7, 1.0, 0), (1.3, 1.0, 40), (0.7, 0.9, 0), (1.0, 0.95, 50)])
+def test_the_sampler_distribution_is_the_same_with_numpy_or_mlx_computing_exp(monkeypatch, temperature, top_p, top_k):
+    """Rows over a 262k vocabulary, some tokens masked (as the draft's are under TLI): the
+    distribution is the float64 reference's without top-p, and the same to float rounding
+    whether exp runs through numpy (Linux CPU) or MLX (elsewhere)."""
+    rng = np.random.default_rng(0)
+    logits = rng.normal(0, 3, (3, 262_144)).astype(np.float32)
+    logits[:, rng.integers(0, 2, 262_144).astype(bool)] = -np.inf
+    logits[:, :5] += 20  # a few likely tokens, so top-p keeps a nucleus smaller than the vocabulary
+    params = DecodingParams(temperature=temperature, top_p=top_p, top_k=top_k)
+    computed = {}
+    for numpy_exp in (True, False):
+        monkeypatch.setattr(sampling, "NUMPY_EXP", numpy_exp)
+        computed[numpy_exp] = np.array(sampling_probabilities(mx.array(logits), params))
+        assert (computed[numpy_exp][np.isinf(logits)] == 0).all()
+    np.testing.assert_allclose(computed[True], computed[False], rtol=1e-5, atol=1e-12)
+    if top_p == 1:
+        np.testing.assert_allclose(computed[True], tempered_top_k(logits, temperature, top_k), rtol=1e-4, atol=1e-12)
+
+
+def test_a_draw_in_proportion_follows_the_weights_and_never_draws_a_zero_weight():
+    weights = np.array([0.0, 5.0, 0.0, 2.0, 3.0, 0.0])  # unnormalized; the last index weighs nothing
+    drawn = np.array(draw_in_proportion(mx.broadcast_to(mx.array(weights), (DRAWS, 6)), mx.random.key(1)))
+    assert set(drawn.tolist()) == {1, 3, 4}
+    statistic, df = first_token_fit(drawn, weights / weights.sum())
+    assert statistic < chi_square_critical(df), (statistic, np.bincount(drawn))
+    statistic, df = first_token_fit(drawn, np.array([0.0, 0.2, 0.0, 0.5, 0.3, 0.0]))  # the check can fail
+    assert statistic > chi_square_critical(df)
+    # A row of zeros (p = q in the residual) gives the last index, which is never used.
+    assert np.array(draw_in_proportion(mx.zeros((2, 6)), mx.random.key(1))).tolist() == [5, 5]
 
 
 @pytest.mark.slow
@@ -65,7 +108,7 @@ def test_speculative_choices_commit_exactly_the_target_distribution(temperature,
     draft's ``q``; and accepting everything the draft drew (the negative control) must not."""
     params = DecodingParams(temperature=temperature, top_p=top_p, top_k=top_k)
     target_logits = mx.array([[2.0, 1.5, 1.0, 0.4, 0.0, -0.5, -1.0, -3.0]])
-    p = np.exp(np.array(sampling_logprobs(target_logits, params)[0], dtype=np.float64))
+    p = np.array(sampling_probabilities(target_logits, params)[0], dtype=np.float64)
     q = np.array([0.05, 0.4, 0.1, 0.2, 0.05, 0.1, 0.05, 0.05])  # a draft that likes the wrong tokens
     drafted = np.random.default_rng(0).choice(len(q), size=DRAWS, p=q)
     logits = mx.repeat(target_logits, DRAWS + 1, axis=0)
