@@ -1,8 +1,8 @@
 """The sampler's distribution and draws, and speculative sampling across tokenizers (TLI):
-the acceptance rule keeps the target's distribution exactly, the shared vocabulary maps tokens to their byte twins, and seeds give
-the same samples alone and in a batch. The chi-square tests through the decoders on real
-models are beside the other sampled-distribution tests (test_decoding, test_batch,
-test_draft_vocab)."""
+the acceptance rule keeps the target's distribution exactly, the shared vocabulary maps tokens
+to their byte twins, and seeds give the same samples alone and in a batch. The chi-square tests
+through the decoders on real models are beside the other sampled-distribution tests
+(test_decoding, test_batch, test_draft_vocab)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,8 @@ import numpy as np
 import pytest
 from mlx_lm.sample_utils import apply_top_p
 
-from polspec.decoding import DecodingParams, generate
+from polspec.decoding import DecodingParams, generate, sampling
 from polspec.decoding.batch import stream_batch
-from polspec.decoding import sampling
 from polspec.decoding.sampling import NUCLEUS_BOUND, draw_in_proportion, nucleus, sampling_probabilities
 from polspec.decoding.draft_vocab import draft_head
 from polspec.decoding.speculative_sampling import SharedDraft, shared_vocabulary, speculative_choices
@@ -42,7 +41,7 @@ def tempered_top_k(logits: np.ndarray, temperature: float, top_k: int) -> np.nda
     (all where 0), then the temperature."""
     scores = logits.astype(np.float64)
     if top_k:
-        scores = np.where(scores < np.sort(scores, axis=-1)[:, -top_k:-top_k + 1], -np.inf, scores)
+        scores = np.where(scores < np.sort(scores, axis=-1)[:, [-top_k]], -np.inf, scores)
     weights = np.exp((scores - scores.max(axis=-1, keepdims=True)) / temperature)
     return weights / weights.sum(axis=-1, keepdims=True)
 

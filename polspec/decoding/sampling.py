@@ -23,8 +23,8 @@ def sampling_probabilities(logits: mx.array, params: DecodingParams) -> mx.array
     """Probabilities ``(..., vocab)`` (float32, each row summing to 1) of the distribution a
     sampled decoder draws from at ``params.temperature > 0``: top-p and top-k on the model's
     probabilities, then the temperature. Speculative sampling needs this distribution itself,
-    not just a draw from it. Without top-p or top-k the logits are normalized once, after the
-    temperature: a pass over the vocabulary costs a few ms a row on a 2-core CPU."""
+    not just a draw from it. Without top-p or top-k it takes one :func:`exp` over the
+    vocabulary, after the temperature; with them, one more before."""
     scores = logits.astype(mx.float32)
     if params.top_p < 1 or params.top_k > 0:
         shifted = scores - scores.max(axis=-1, keepdims=True)
@@ -45,7 +45,7 @@ NUMPY_EXP = platform.system() == "Linux"
 def exp(x: mx.array) -> mx.array:
     """``mx.exp(x)``, through numpy on the CPU device under Linux, where MLX's wheel computes
     each element with six calls to glibc's ``fmaf`` (about 12 ns; numpy's vectorized exp:
-    0.4 ns): over a 262k vocabulary that is 3 ms against 0.1 ms a row, a third of a batched
+    0.4 ns): over a 262k vocabulary that is 3 ms against 0.1 ms a row, a quarter of a batched
     sampled step of the 270M Gemma-3 target (BENCHMARKS, "A faster exp for the sampler").
     Evaluates ``x`` there; lazy elsewhere."""
     if not NUMPY_EXP or mx.default_device() != mx.cpu:
