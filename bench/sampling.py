@@ -9,12 +9,15 @@ target-only sampling, speculative with exact-match verification and with specula
 (the same seed, temperature and k), and greedy speculative for the pair's greedy acceptance.
 Reports per configuration the tokens/s ratio against target-only sampling (median with
 min-max, and the mean with its 95% interval over prompts), acceptance per draft token, and
-how it compares to the greedy acceptance of the same pair and prompts. Prints Markdown.
+how it compares to the greedy acceptance of the same pair and prompts (with a 95% bootstrap
+interval over prompts: acceptance is pooled over a set's prompts, so the prompts are what
+varies). Prints Markdown.
 """
 
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 
 from polspec import backend
@@ -29,6 +32,21 @@ from polspec.report.summary import mean_interval
 
 def acceptance(metrics: list[DecodeMetrics]) -> float:
     return sum(m.draft_tokens_accepted for m in metrics) / max(1, sum(m.draft_tokens for m in metrics))
+
+
+def ratio_interval(sampled: list[DecodeMetrics], greedy: list[DecodeMetrics], resamples: int = 2000
+                   ) -> tuple[float, float]:
+    """95% bootstrap interval of acceptance(sampled) / acceptance(greedy), prompts resampled
+    together (entry i of both lists is prompt i)."""
+    rng = random.Random(0)
+    ratios = []
+    for _ in range(resamples):
+        picks = [rng.randrange(len(sampled)) for _ in sampled]
+        greedy_acceptance = acceptance([greedy[i] for i in picks])
+        if greedy_acceptance > 0:
+            ratios.append(acceptance([sampled[i] for i in picks]) / greedy_acceptance)
+    cuts = statistics.quantiles(ratios, n=40)
+    return cuts[0], cuts[-1]
 
 
 def speed(ratios: list[float]) -> str:
@@ -53,7 +71,7 @@ def main() -> None:
     print(f"\nTarget {args.target}, temperature {args.temperature}, k={k}, {args.max_tokens} tokens, "
           f"{args.prompts} prompts per dataset, seeds 0..{args.prompts - 1}:\n")
     print("| draft | dataset | verify | speed vs target-only sampling (median, min-max) | mean [95% interval] "
-          "| accepted / draft token | vs greedy acceptance |")
+          "| accepted / draft token | vs greedy acceptance [95% interval] |")
     print("|---|---|---|---|---|---|---|")
     target = load_model(args.target)
     coverage = {}
@@ -77,8 +95,10 @@ def main() -> None:
             greedy_acceptance = acceptance(metrics["greedy"])
             for verify in ("exact", "tli"):
                 accepted = acceptance(metrics[verify])
+                low, high = ratio_interval(metrics[verify], metrics["greedy"])
                 print(f"| {draft_alias} | {dataset} | {verify} | {speed(ratios[verify])} | {accepted:.1%} "
-                      f"| {accepted / greedy_acceptance:.2f}x of {greedy_acceptance:.1%} |", flush=True)
+                      f"| {accepted / greedy_acceptance:.2f}x [{low:.2f}-{high:.2f}] of {greedy_acceptance:.1%} |",
+                      flush=True)
     print()
     for draft_alias, share in coverage.items():
         print(f"- {draft_alias} can propose {share:.1%} of {args.target}'s tokens on Polish text under TLI")
