@@ -51,6 +51,11 @@ def database_url() -> str:
     return os.environ.get("POLSPEC_DB_URL") or f"sqlite:///{polspec_home() / 'polspec.db'}"
 
 
+def database_url_set() -> bool:
+    """Whether the user chose the database (``POLSPEC_DB_URL``) rather than taking the default."""
+    return bool(os.environ.get("POLSPEC_DB_URL"))
+
+
 
 DEFAULT_BUSY_TIMEOUT_MS = 30_000
 

@@ -185,7 +185,9 @@ def test_the_chi_square_check_detects_a_different_distribution(gemma3):
     (dict(k=17), "k must be between 1 and 16, got 17"),
     (dict(k="auto-ish"), "k must be a number from 1 to 16 or one of heuristic, confidence"),
     (dict(prefix=-1), "prefix must be 0 or more, got -1"),
-    (dict(temperature=-0.5), "temperature must be 0 or more, got -0.5"),
+    (dict(temperature=-0.5), "temperature must be a finite number, 0 or more, got -0.5"),
+    (dict(temperature=float("nan")), "temperature must be a finite number, 0 or more, got nan"),
+    (dict(temperature=0.7, seed=2**63), "seed must be between 0 and 9223372036854775807"),
     (dict(top_p=0.0), r"top_p must be in \(0, 1\], got 0.0"),
     (dict(top_p=1.5), r"top_p must be in \(0, 1\], got 1.5"),
     (dict(max_tokens=0), "max_tokens must be at least 1, got 0"),
@@ -205,7 +207,7 @@ def test_invalid_parameters(kwargs, message):
 @pytest.mark.parametrize("args, message", [
     (["--k", "0"], "k must be between 1 and 16, got 0"),
     (["--top-p", "0"], "top_p must be in (0, 1], got 0.0"),
-    (["--temperature", "-1"], "temperature must be 0 or more, got -1.0"),
+    (["--temperature", "-1"], "temperature must be a finite number, 0 or more, got -1.0"),
 ])
 def test_cli_rejects_bad_parameters_in_one_line(args, message):
     result = CliRunner().invoke(main, ["generate", "Kraków jest", "--draft", "smollm2-135m", *args])

@@ -131,6 +131,14 @@ BAD_LINES = [
     ('{"id": "a", "prompt": "x", "temperature": "hot"}', "p.jsonl:2:"),
     ('{"id": "a", "messages": [{"role": "user"}]}', "p.jsonl:2: messages[0] must be an object"),
     ('["a", "x"]', "p.jsonl:2: expected a JSON object, got list"),
+    ('{"id": "a", "prompt": "x", "temperature": NaN}', "p.jsonl:2: temperature must be a finite number"),
+    ('{"id": "a", "prompt": "x", "temperature": Infinity}', "p.jsonl:2: temperature must be a finite number"),
+    ('{"id": "a", "prompt": "x", "seed": -1}', "p.jsonl:2: seed must be between 0 and"),
+    ('{"id": "a", "prompt": "x", "seed": 9223372036854775808}', "p.jsonl:2: seed must be between 0 and"),
+    ('{"id": "a", "prompt": "Krak\\ud800w"}', "p.jsonl:2: the prompt holds a lone surrogate '\\ud800' at character 5"),
+    ('{"id": "\\udfff", "prompt": "x"}', "p.jsonl:2: the id holds a lone surrogate"),
+    ('{"id": "a", "messages": [{"role": "user", "content": "\\ud83d"}]}',
+     "p.jsonl:2: messages[0].content holds a lone surrogate"),
 ]
 
 
@@ -140,6 +148,16 @@ def test_a_bad_line_names_file_and_line_and_writes_nothing(env, tmp_path, line, 
     code, output = invoke(env, "--input", str(source))
     assert code == 1 and output.startswith(f"polspec: error: {source.parent}/{message}") and output.count("\n") == 1
     assert counts(env) == (0, 0, 0)
+
+
+def test_a_byte_order_mark_at_the_start_is_not_part_of_the_first_line(env, tmp_path):
+    source = tmp_path / "p.jsonl"
+    source.write_bytes(b"\xef\xbb\xbf" + json.dumps(GOOD[0]).encode() + b"\n")
+    code, output = invoke(env, "--input", str(source), "--target", "smollm2-135m", "--json")
+    assert code == 0 and json.loads(output)["added"] == 1, output
+    source.write_bytes(json.dumps(GOOD[0]).encode() + b"\n\xef\xbb\xbf" + json.dumps(GOOD[2]).encode() + b"\n")
+    code, output = invoke(env, "--input", str(source), "--target", "smollm2-135m")  # only a file starts with one
+    assert code == 1 and f"{source}:2: malformed JSON" in output
 
 
 def test_non_utf8_input_names_the_line(env, tmp_path):
@@ -154,7 +172,9 @@ def test_non_utf8_input_names_the_line(env, tmp_path):
     (["--target", "gemma-270m"], "unknown model alias 'gemma-270m'; did you mean gemma3-270m"),
     (["--draft", "smollm"], "unknown model alias 'smollm'"),
     (["--k", "0"], "k must be between 1 and 16, got 0"),
-    (["--temperature", "-1"], "temperature must be 0 or more"),
+    (["--temperature", "-1"], "temperature must be a finite number, 0 or more"),
+    (["--temperature", "nan"], "temperature must be a finite number, 0 or more, got nan"),
+    (["--seed", "-1", "--temperature", "0.7"], "seed must be between 0 and 9223372036854775807"),
     (["--top-p", "0"], "top_p must be in (0, 1]"),
     (["--prefix", "-2"], "prefix must be 0 or more"),
     (["--target", "qwen2.5-coder-1.5b", "--draft", "gemma3-270m"], "draft gemma3-270m has no chat template"),
@@ -182,7 +202,7 @@ def test_unknown_dataset_empty_file_and_missing_file(env, tmp_path):
 def test_messages_need_a_chat_template(env, tmp_path):
     source = write_jsonl(tmp_path / "p.jsonl", GOOD)
     code, output = invoke(env, "--input", str(source), "--target", "gemma3-270m")
-    assert code == 1 and "item 'b' has messages, but gemma3-270m has no chat template" in output
+    assert code == 1 and f"{source}:2: item 'b' has messages, but gemma3-270m has no chat template" in output
     code, output = invoke(env, "--input", str(source), "--target", "smollm2-135m", "--raw")
     assert code == 1 and "item 'b' has messages, but --raw was given" in output
     assert counts(env) == (0, 0, 0)

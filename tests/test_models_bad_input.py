@@ -92,6 +92,15 @@ def test_unsupported_architecture_is_named(isolated_home, tmp_path):
 def test_missing_gguf_file(isolated_home, tmp_path):
     code, output = run_cli("models", "import", str(tmp_path / "nowhere.gguf"), "--name", "x")
     assert code == 1 and "nowhere.gguf: no such GGUF file" in output
+    code, output = run_cli("models", "import", str(tmp_path), "--name", "x")
+    assert code == 1 and f"{tmp_path}: a directory, not GGUF file" in output and output.count("\n") == 1
+
+
+@pytest.mark.parametrize("name", ['my"model', "", "tok:x", "-dash", "ze spacją"])
+def test_an_alias_that_would_need_quoting_is_refused_before_the_import(isolated_home, tmp_path, name):
+    code, output = run_cli("models", "import", str(tmp_path / "nowhere.gguf"), "--name", name)
+    assert code == 1 and f"--name {name!r}: an alias is letters, digits" in output and output.count("\n") == 1
+    assert not (isolated_home / "models.toml").exists()
 
 
 @pytest.mark.slow
@@ -124,6 +133,10 @@ def test_bad_registry_file_names_file_and_key(isolated_home):
     code, output = run_cli("models", "list")
     assert code == 1
     assert "models.toml: [models.x] has unknown key 'colour'" in output
+    (isolated_home / "models.toml").write_text('[models.x]\nsource = "nope:x"\n')
+    code, output = run_cli("models", "list")
+    assert code == 1 and output.count("\n") == 1
+    assert "models.toml: [models.x] source 'nope:x': unknown scheme 'nope'" in output
 
 
 @pytest.fixture

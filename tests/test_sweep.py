@@ -25,6 +25,7 @@ from polspec.report.render import markdown
 from polspec.report.summary import CellKey, Pair, Row, SweepReport, cell_row, predicted_speedup_of_cell
 from polspec.report.summary import headline as summary_headline
 from polspec.store.engine import make_engine, session_scope
+from polspec.store.migrate import upgrade
 from polspec.store.schema import Cell, Item, Result
 from helpers import start_worker, statuses, wait_for, work
 
@@ -153,7 +154,12 @@ def test_temperature_and_temperatures_together_is_one_line(tmp_path):
     ({"datasets": ["pl-nowe"]}, "test.toml: 'datasets': unknown dataset 'pl-nowe'"),
     ({"k": [0]}, "test.toml: k must be between 1 and 16, got 0"),
     ({"strategies": ["exact"]}, "test.toml: unknown strategy 'exact'"),
-    ({"drafts": ["smollm"]}, "unknown model alias 'smollm'"),
+    ({"drafts": ["smollm"]}, "test.toml: unknown model alias 'smollm'"),
+    ({"target": "gemma"}, "test.toml: unknown model alias 'gemma'"),
+    ({"drafts": [5]}, "test.toml: 'drafts' must list model aliases (text), got 5"),
+    ({"drafts": [["smollm2-135m"]]}, "test.toml: 'drafts' must list model aliases (text), got"),
+    ({"name": 5}, "test.toml: 'name' must be text, got 5"),
+    ({"seeds": [-1]}, "test.toml: seed must be between 0 and"),
     ({"target": "qwen2.5-coder-1.5b", "drafts": ["gemma3-270m"], "raw": False}, "draft gemma3-270m has no chat template"),
     ({"repeats": 0}, "'repeats' must be a whole number of at least 1"),
     ({"repeats": True}, "test.toml: 'repeats' must be a whole number of at least 1, got True"),
@@ -171,6 +177,8 @@ def test_temperature_and_temperatures_together_is_one_line(tmp_path):
     ({"temperatures": []}, "test.toml: 'temperatures' must be a non-empty list"),
     ({"temperatures": [0.7, -0.1]}, "test.toml: 'temperatures' must list numbers of at least 0, got -0.1"),
     ({"temperatures": ["hot"]}, "test.toml: 'temperatures' must list numbers of at least 0, got 'hot'"),
+    ({"temperatures": [0.0, float("nan")]}, "test.toml: 'temperatures' must list numbers of at least 0, got nan"),
+    ({"temperature": float("inf")}, "test.toml: temperature must be a finite number, 0 or more, got inf"),
     ({"temperatures": [0, 0.0]}, "test.toml: 'temperatures' lists a value twice"),
     ({"verify": ["tli", "maybe"]}, "test.toml: verify must be one of auto, exact, tli, got 'maybe'"),
     ({"verify": []}, "test.toml: 'verify' must be a non-empty list"),
@@ -385,9 +393,13 @@ def hand_result(item_id: int, tokens_per_s: float) -> Result:
                   device="cpu", versions={}, timings={})
 
 
-def test_report_of_a_missing_sweep_is_one_line(env):
-    code, output = cli(env, "report", "99")
+def test_report_of_a_missing_sweep_is_one_line(env, tmp_path):
+    code, output = cli(env, "report", "99")  # the database was never written: no file, not an empty one
+    assert code == 1 and "no such file, nothing has been stored there" in output and output.count("\n") == 1
+    upgrade(env["POLSPEC_DB_URL"])
+    code, output = cli(env, "report", "99", "--output", str(tmp_path / "r.md"))
     assert code == 1 and "no sweep 99" in output and output.count("\n") == 1
+    assert not (tmp_path / "r.md").exists()
 
 
 def test_hugging_face_rows_are_checked_like_file_lines():

@@ -44,7 +44,8 @@ def main() -> None:
 
     Environment: POLSPEC_HOME (caches and data, default ~/.cache/polspec),
     POLSPEC_DEVICE (cpu|gpu), POLSPEC_DTYPE (float32|float16|bfloat16|native),
-    POLSPEC_REDIS_URL, POLSPEC_DB_URL.
+    POLSPEC_REDIS_URL, POLSPEC_DB_URL, POLSPEC_DB_BUSY_TIMEOUT_MS, POLSPEC_MODEL_CACHE_GB,
+    POLSPEC_BLAS (Linux); README.md's Configuration table says what each does.
     """
 
 

@@ -30,10 +30,19 @@ def _connections() -> Iterator[tuple[Engine, Redis]]:
 def recover(batch_id: int | None) -> None:
     """Re-enqueue unfinished items that no queued job will finish (after Redis lost its data,
     or a worker died). Safe to run at any time: items never run twice. Workers run it at start.
+
+    \b
+    Examples:
+      polspec recover
+      polspec recover --batch 3
     """
     from polspec.jobs.control import recover as recover_items
 
+    from polspec.store.queries import batch_progress
+
     with _connections() as (engine, connection):
+        if batch_id is not None:
+            batch_progress(engine, batch_id)  # an unknown batch is an error, not "nothing to recover"
         report = recover_items(engine, connection, batch_id)
     if not report.total:
         click.echo("nothing to recover: every unfinished item has a job")
@@ -48,6 +57,10 @@ def cancel(batch_id: int) -> None:
     """Cancel a batch: queued items are dropped, running ones stop after their current round.
 
     Finished results are kept. `polspec retry BATCH --failed` does not bring cancelled items back.
+
+    \b
+    Example:
+      polspec cancel 3
     """
     from polspec.jobs.control import cancel as cancel_batch
 
@@ -60,7 +73,12 @@ def cancel(batch_id: int) -> None:
 @click.argument("batch_id", type=int)
 @click.option("--failed", is_flag=True, required=True, help="Queue the batch's failed items again.")
 def retry(batch_id: int, failed: bool) -> None:
-    """Queue a batch's failed items again (polspec results list --status failed shows why they failed)."""
+    """Queue a batch's failed items again (polspec results list --status failed shows why they failed).
+
+    \b
+    Example:
+      polspec retry 3 --failed
+    """
     from polspec.jobs.control import retry_failed
 
     with _connections() as (engine, connection):

@@ -23,13 +23,14 @@ def enqueue() -> None:
               help='Prompts, one JSON object per line: {"id": ..., "prompt": ...} or {"id": ..., "messages": [...]}; '
                    "- reads standard input.")
 @click.option("--dataset", help="A built-in Polish set instead: " + ", ".join(DATASETS) + "; a .jsonl path; or hf:OWNER/NAME[:SPLIT].")
-@click.option("--limit", type=int, help="Take only the first N prompts.")
+@click.option("--limit", type=int, help="Take only the first N prompts (default: all).")
 @click.option("--name", help="Name the batch; enqueueing again under the same name adds only new ids.")
 @decoding_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object: batch, name, queue, added, existing.")
 def generate(input_path: str | None, dataset: str | None, limit: int | None, name: str | None, target: str,
              draft: str, raw: bool, as_json: bool, **options) -> None:
-    """Queue one generation per prompt, decoded with the options given.
+    """Queue one generation per prompt, decoded with the options given, on the target's queue
+    (polspec-TARGET, which `polspec worker --target TARGET` serves). Give --input or --dataset.
 
     Every line is checked before anything is written: a bad line is reported with its file and
     line number and nothing is queued. A line may set its own max_tokens, k, strategy, prefix,

@@ -59,9 +59,14 @@ def generate(prompt: str, target: str, draft: str, raw: bool, show_accepted: boo
     from polspec.decoding.prompts import check_prompt
     from polspec.decoding.run import generate as generate_text, stream
     from polspec.models.loader import load_model
+    from polspec.models.registry import load_registry
 
     params = decoding_params(options)
-    check_prompt(prompt)  # before the models load: an empty prompt is told at once
+    check_prompt(prompt)  # before the models load: an empty prompt or a mistyped alias is told at once
+    registry = load_registry()
+    registry.model(target)
+    if draft != "none":
+        registry.model(draft)
     target_model = load_model(target)
     draft_model = None if draft == "none" else load_model(draft)
     chat = False if raw else None

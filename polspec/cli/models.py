@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import click
@@ -96,14 +97,21 @@ def fetch(aliases: tuple[str, ...]) -> None:
 @click.option("--name", required=True, help="The alias to register the model under.")
 @click.option("--tokenizer-family", help="Models of one family share token ids (default: the alias).")
 def import_(path: Path, name: str, tokenizer_family: str | None) -> None:
-    """Import the GGUF file PATH and register it as alias NAME.
+    """Import the GGUF file PATH and register it under the alias given by --name.
 
     The import runs once per distinct file content (keyed by sha256) and writes an MLX
     model directory into the cache; the alias goes into $POLSPEC_HOME/models.toml.
+
+    \b
+    Example:
+      polspec models import ~/Pobrane/Bielik-1.5B-v3.0-Instruct.Q8_0.gguf --name bielik-1.5b
     """
     from polspec.models.loader import import_gguf_file
-    from polspec.models.registry import add_user_model
+    from polspec.models.registry import ALIAS_PATTERN, add_user_model
 
+    if not re.fullmatch(ALIAS_PATTERN, name):
+        raise PolspecError(f"--name {name!r}: an alias is letters, digits, '.', '_' and '-', starting with a "
+                           "letter or digit")
     registry = load_registry()
     if name in registry.models:
         raise PolspecError(f"alias {name!r} already exists; choose another --name")

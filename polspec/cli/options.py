@@ -51,7 +51,8 @@ _OPTIONS = [
     click.option("--temperature", default=0.0, show_default=True, type=float, help="0 is greedy decoding."),
     click.option("--top-p", default=1.0, show_default=True, type=float, help="Nucleus sampling mass, in (0, 1]."),
     click.option("--top-k", default=0, show_default=True, type=int, help="Sample among the k likeliest tokens (0: off)."),
-    click.option("--seed", type=int, help="Random seed for sampling."),
+    click.option("--seed", type=int,
+                 help="Random seed for sampling, 0 to 2**63 - 1 (default: a new random one each run)."),
     click.option("--verify", default="auto", show_default=True, type=click.Choice(VERIFY),
                  help="When sampling: tli (speculative sampling over the tokens both vocabularies share: the draft "
                       "samples, the target accepts with probability min(1, p/q); keeps acceptance up as the "

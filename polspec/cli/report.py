@@ -6,14 +6,21 @@ from pathlib import Path
 
 import click
 
+from polspec.cli.files import write_file_atomically
+from polspec.errors import PolspecError
+
 
 @click.command()
 @click.argument("sweep_id", type=int)
-@click.option("--format", "fmt", type=click.Choice(["md", "csv", "json"]), default="md", show_default=True)
-@click.option("--output", type=click.Path(dir_okay=False, path_type=Path), help="Write the report here.")
-@click.option("--plots", type=click.Path(file_okay=False, path_type=Path), help="Write PNG plots into this directory.")
+@click.option("--format", "fmt", type=click.Choice(["md", "csv", "json"]), default="md", show_default=True,
+              help="Markdown tables, or one row per cell as CSV or JSON.")
+@click.option("--output", type=click.Path(dir_okay=False, path_type=Path),
+              help="Write the report to this file (whole or not at all) instead of standard output.")
+@click.option("--plots", type=click.Path(file_okay=False, path_type=Path),
+              help="Write PNG plots into this directory (created if missing).")
 def report(sweep_id: int, fmt: str, output: Path | None, plots: Path | None) -> None:
-    """Per dataset, draft, strategy and k (and temperature and verify where the sweep varies
+    """The report of sweep SWEEP_ID (the batch id `polspec enqueue sweep` printed; see
+    `polspec status`). Per dataset, draft, strategy and k (and temperature and verify where the sweep varies
     them): acceptance per candidate and per draft token, tokens per round, tokens/s, speedup over
     the paired target-only baseline at the same temperature (95% interval over prompts), J/token,
     translation overhead, and the cost model's predicted speedup and break-even acceptance.
@@ -27,16 +34,25 @@ def report(sweep_id: int, fmt: str, output: Path | None, plots: Path | None) -> 
     from polspec.report.summary import sweep_report
     from polspec.store.migrate import upgraded_database
 
-    with upgraded_database() as engine:
+    with upgraded_database(create=False) as engine:
         summary = sweep_report(engine, sweep_id)
     text = {"md": markdown, "csv": csv_text, "json": json_text}[fmt](summary)
+    if plots is not None:  # before the report is written: a bad plots directory leaves nothing behind
+        try:
+            plots.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise PolspecError(f"{plots}: cannot make the plots directory: {error.strerror}") from None
     if output is None:
         click.echo(text)
     else:
-        output.write_text(text + ("" if text.endswith("\n") else "\n"), encoding="utf-8")
+        write_file_atomically(output, lambda handle: handle.write(text + ("" if text.endswith("\n") else "\n")))
         click.echo(f"wrote {output}", err=True)
     if plots is not None:
         from polspec.report.plots import write_plots
 
-        for path in write_plots(summary, plots):
+        try:
+            written = write_plots(summary, plots)
+        except OSError as error:
+            raise PolspecError(f"{plots}: cannot write the plots: {error.strerror}") from None
+        for path in written:
             click.echo(f"wrote {path}", err=True)

@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import sys
-import tempfile
 from pathlib import Path
 
 import click
 from rich.table import Table
 
 from polspec.cli.console import output_console
-from polspec.errors import PolspecError
+from polspec.cli.files import write_file_atomically
 from polspec.store.schema import Status
 
 
@@ -37,9 +35,11 @@ def list_command(batch_id: int | None, status: str | None, limit: int, as_json: 
       polspec results list --status failed
     """
     from polspec.store.migrate import upgraded_database
-    from polspec.store.queries import item_rows
+    from polspec.store.queries import batch_progress, item_rows
 
-    with upgraded_database() as engine:
+    with upgraded_database(create=False) as engine:
+        if batch_id is not None:
+            batch_progress(engine, batch_id)  # an unknown batch is an error, not "no items match"
         rows = list(item_rows(engine, batch_id, status, limit or None))
     if as_json:
         for row in rows:
@@ -68,7 +68,7 @@ def show_command(batch_id: int, item_id: str, as_json: bool) -> None:
     from polspec.store.migrate import upgraded_database
     from polspec.store.queries import item_detail
 
-    with upgraded_database() as engine:
+    with upgraded_database(create=False) as engine:
         detail = item_detail(engine, batch_id, item_id)
     if as_json:
         click.echo(json.dumps(detail, ensure_ascii=False))
@@ -108,24 +108,13 @@ def export_command(batch_id: int, fmt: str, output: Path | None) -> None:
     from polspec.store.migrate import upgraded_database
     from polspec.store.queries import EXPORT_COLUMNS, batch_progress, item_rows
 
-    with upgraded_database() as engine:
+    with upgraded_database(create=False) as engine:
         batch_progress(engine, batch_id)  # an unknown batch is an error, not an empty file
         rows = item_rows(engine, batch_id)
         if output is None:
             _write(sys.stdout, rows, fmt, EXPORT_COLUMNS, bom=False)
             return
-        directory = output.resolve().parent
-        if not directory.is_dir():
-            raise PolspecError(f"{output}: directory {directory} does not exist")
-        handle = tempfile.NamedTemporaryFile("w", encoding="utf-8", newline="", dir=directory,
-                                             prefix=f".{output.name}.", delete=False)
-        try:
-            with handle:
-                _write(handle, rows, fmt, EXPORT_COLUMNS, bom=fmt == "csv")
-            os.replace(handle.name, output)
-        except BaseException:
-            os.unlink(handle.name)
-            raise
+        write_file_atomically(output, lambda handle: _write(handle, rows, fmt, EXPORT_COLUMNS, bom=fmt == "csv"))
     click.echo(f"wrote {output}", err=True)
 
 
@@ -156,7 +145,7 @@ def sql_command(query: str, as_json: bool) -> None:
     from polspec.store.migrate import upgraded_database
     from polspec.store.queries import run_sql
 
-    with upgraded_database(readonly=True) as engine:
+    with upgraded_database(readonly=True, create=False) as engine:
         columns, rows = run_sql(engine, query)
     if as_json:
         for row in rows:

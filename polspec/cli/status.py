@@ -37,7 +37,7 @@ def status(batch_id: int | None, watch: bool, interval: float, as_json: bool) ->
     from polspec.store.migrate import upgraded_database
     from polspec.store.queries import batch_progress
 
-    with upgraded_database() as engine:
+    with upgraded_database(create=False) as engine:
         if as_json:
             for batch in batch_progress(engine, batch_id):
                 click.echo(json.dumps(batch.as_dict(), ensure_ascii=False))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 from polspec.errors import PolspecError
@@ -12,6 +13,8 @@ PARTIAL_WORD = ("verify", "hold")  # what aligned does with the tokens of a word
 MAX_K = 16
 DRAFT_VOCAB = ("auto", "full")  # or a number of tokens, see polspec.decoding.draft_vocab
 MIN_DRAFT_VOCAB = 1024
+# Seeds are stored in 64-bit signed integer columns and become MLX random keys (unsigned 64-bit).
+MAX_SEED = 2**63 - 1
 VERIFY = ("auto", "exact", "tli")  # how a sampled round is verified, see polspec.decoding.speculative_sampling
 
 
@@ -84,14 +87,16 @@ class DecodingParams:
             raise PolspecError(f"partial_word must be one of {', '.join(PARTIAL_WORD)}, got {self.partial_word!r}")
         if self.prefix < 0:
             raise PolspecError(f"prefix must be 0 or more, got {self.prefix}")
-        if self.temperature < 0:
-            raise PolspecError(f"temperature must be 0 or more, got {self.temperature}")
+        if not 0 <= self.temperature < math.inf:
+            raise PolspecError(f"temperature must be a finite number, 0 or more, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise PolspecError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise PolspecError(f"top_k must be 0 (off) or more, got {self.top_k}")
         if self.verify not in VERIFY:
             raise PolspecError(f"verify must be one of {', '.join(VERIFY)}, got {self.verify!r}")
+        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
+            raise PolspecError(f"seed must be between 0 and {MAX_SEED} (2**63 - 1), got {self.seed}")
         if not 0 < self.confidence < 1:
             raise PolspecError(f"confidence must be in (0, 1), got {self.confidence}")
 

@@ -21,8 +21,19 @@ def check_prompt(prompt: Prompt) -> None:
     if isinstance(prompt, str):
         if not prompt.strip():
             raise PolspecError("the prompt is empty")
+        check_text(prompt, "the prompt")
         return
     check_messages(prompt)
+
+
+def check_text(text: str, what: str) -> None:
+    """Refuse a string that is not text: JSON's ``\\ud800`` escapes decode to lone UTF-16
+    surrogates, which no tokenizer or database can store."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise PolspecError(f"{what} holds a lone surrogate {text[error.start]!r} at character {error.start + 1}, "
+                           "which is not text") from None
 
 
 def check_messages(messages: object) -> None:
@@ -32,6 +43,8 @@ def check_messages(messages: object) -> None:
         if (not isinstance(message, dict) or set(message) != {"role", "content"}
                 or not all(isinstance(value, str) for value in message.values())):
             raise PolspecError(f"messages[{index}] must be an object with a string 'role' and 'content'")
+        check_text(message["role"], f"messages[{index}].role")
+        check_text(message["content"], f"messages[{index}].content")
     if not any(message["content"].strip() for message in messages):
         raise PolspecError("the messages are all empty")
 

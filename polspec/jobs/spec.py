@@ -12,13 +12,14 @@ Every line is checked before anything is written; the first problem is raised as
 
 from __future__ import annotations
 
+import codecs
 import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from polspec.decoding.params import DecodingParams
-from polspec.decoding.prompts import chat_mode, check_messages, check_prompt
+from polspec.decoding.prompts import chat_mode, check_messages, check_prompt, check_text
 from polspec.errors import PolspecError
 from polspec.models.registry import load_registry
 
@@ -59,6 +60,7 @@ class ItemInput:
     prompt: str | None = None
     messages: list[dict[str, str]] | None = None
     overrides: dict[str, Any] = field(default_factory=dict)
+    where: str = field(default="", compare=False)  # "FILE:LINE" it was read from, for errors
 
     def params(self, base: DecodingParams) -> DecodingParams:
         return DecodingParams(**(base.as_dict() | self.overrides))
@@ -72,10 +74,11 @@ def check_models(spec: GenerateSpec, items: list[ItemInput]) -> None:
     target = registry.model(spec.target)
     draft = registry.model(spec.draft) if spec.draft is not None else None
     chat = chat_mode(target, spec.chat)
-    with_messages = next((item.key for item in items if item.messages is not None), None)
+    with_messages = next((item for item in items if item.messages is not None), None)
     if with_messages is not None and not chat:
         reason = "--raw was given" if spec.chat is False else f"{target.alias} has no chat template"
-        raise PolspecError(f"{spec.source}: item {with_messages!r} has messages, but {reason}; give it a 'prompt'")
+        raise PolspecError(f"{with_messages.where or spec.source}: item {with_messages.key!r} has messages, "
+                           f"but {reason}; give it a 'prompt'")
     if chat and draft is not None and not draft.chat_template:
         raise PolspecError(f"draft {draft.alias} has no chat template but {target.alias} runs in chat mode: "
                            "add --raw, or choose a draft with a chat template")
@@ -94,6 +97,8 @@ def _json_lines(lines: Iterable[bytes], source: str) -> Iterator[tuple[str, str,
     """("SOURCE:N", "line N", the line's JSON value) for every line N that is not blank."""
     for number, raw in enumerate(lines, start=1):
         where = f"{source}:{number}"
+        if number == 1:
+            raw = raw.removeprefix(codecs.BOM_UTF8)  # editors on Windows start UTF-8 files with one
         try:
             line = raw.decode("utf-8")
         except UnicodeDecodeError as error:
@@ -132,6 +137,10 @@ def parse_item(data: Any, where: str, base: DecodingParams) -> ItemInput:
     key = data.get("id")
     if isinstance(key, bool) or not isinstance(key, str | int) or not str(key).strip():
         raise PolspecError(f"{where}: every line needs an 'id' (a non-empty string or a number)")
+    try:
+        check_text(str(key), "the id")
+    except PolspecError as error:
+        raise PolspecError(f"{where}: {error}") from None
     prompt, messages = data.get("prompt"), data.get("messages")
     if (prompt is None) == (messages is None):
         raise PolspecError(f"{where}: give exactly one of 'prompt' or 'messages'")
@@ -145,7 +154,7 @@ def parse_item(data: Any, where: str, base: DecodingParams) -> ItemInput:
     except PolspecError as error:
         raise PolspecError(f"{where}: {error}") from None
     overrides = {name: data[name] for name in ITEM_PARAMS if name in data}
-    item = ItemInput(str(key), prompt, messages, overrides)
+    item = ItemInput(str(key), prompt, messages, overrides, where)
     try:
         item.params(base)
     except (PolspecError, TypeError) as error:

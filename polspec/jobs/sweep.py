@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import tomllib
 from dataclasses import dataclass, field
 from itertools import product
@@ -50,6 +51,7 @@ from polspec.decoding.params import DecodingParams, is_whole_number
 from polspec.errors import PolspecError
 from polspec.jobs.datasets import load_dataset
 from polspec.jobs.spec import GenerateSpec, ItemInput, check_models
+from polspec.models.registry import load_registry
 
 # Decoding parameters a sweep sets once for all its cells.
 SWEEP_PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "partial_word", "draft_vocab", "verify")
@@ -116,7 +118,10 @@ def expand_sweep(config: dict[str, Any], source: str) -> SweepPlan:
         raise PolspecError(f"{source}: unknown key {unknown[0]!r} (allowed: {', '.join(sorted(SWEEP_KEYS))})")
     if not isinstance(config.get("target"), str):
         raise PolspecError(f"{source}: 'target' must name the target model")
+    if not isinstance(config.get("name", ""), str):
+        raise PolspecError(f"{source}: 'name' must be text, got {config['name']!r}")
     grid = {key: _list(config, key, source) for key in GRID_KEYS if key != "datasets"}
+    _check_aliases(config["target"], grid["drafts"], source)
     datasets = _datasets(config, source)
     temperatures, verifies = _temperatures(config, source), _verifies(config, source)
     repeats = _at_least_one(config.get("repeats", 1), "'repeats'", source)
@@ -183,6 +188,18 @@ def _list(config: dict[str, Any], key: str, source: str) -> list:
     return values
 
 
+def _check_aliases(target: str, drafts: list, source: str) -> None:
+    """The target and every draft are model aliases the registry knows."""
+    registry = load_registry()
+    for alias in [target, *drafts]:
+        if not isinstance(alias, str):
+            raise PolspecError(f"{source}: 'drafts' must list model aliases (text), got {alias!r}")
+        try:
+            registry.model(alias)
+        except PolspecError as error:
+            raise PolspecError(f"{source}: {error}") from None
+
+
 def _temperatures(config: dict[str, Any], source: str) -> list[float]:
     """The sweep's temperatures: the ``temperatures`` list, else the one ``temperature`` (or the default)."""
     if "temperatures" not in config:
@@ -191,7 +208,7 @@ def _temperatures(config: dict[str, Any], source: str) -> list[float]:
         raise PolspecError(f"{source}: give 'temperature' or 'temperatures', not both")
     values = _list(config, "temperatures", source)
     for value in values:
-        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
             raise PolspecError(f"{source}: 'temperatures' must list numbers of at least 0, got {value!r}")
     if len(set(map(float, values))) != len(values):  # 0 and 0.0 are one temperature
         raise PolspecError(f"{source}: 'temperatures' lists a value twice")

@@ -13,9 +13,12 @@ from importlib import resources
 from pathlib import Path
 
 from polspec.errors import PolspecError
+from polspec.models.sources import parse_source
 from polspec.settings import user_registry_file
 
 TOKENIZER_PREFIX = "tok:"
+# What `polspec models import --name` accepts: an alias that needs no quoting anywhere.
+ALIAS_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]*"
 MODEL_KEYS = {"source", "sha256", "architecture", "tokenizer_family", "chat_template", "eos_tokens", "description",
               "draft_vocab"}
 TOKENIZER_KEYS = {"source", "sha256", "format", "tokenizer_family", "description"}
@@ -85,6 +88,12 @@ def _check_keys(where: str, alias: str, table: dict, allowed: set[str]) -> None:
         raise PolspecError(f"{where}: [{alias}] has unknown key {unknown[0]!r}; allowed: {', '.join(sorted(allowed))}")
     if "source" not in table:
         raise PolspecError(f"{where}: [{alias}] has no 'source'")
+    if not isinstance(table["source"], str):
+        raise PolspecError(f"{where}: [{alias}] source must be text, got {table['source']!r}")
+    try:
+        parse_source(table["source"])  # a bad source is told here, with its file, not at fetch time
+    except PolspecError as error:
+        raise PolspecError(f"{where}: [{alias}] {error}") from None
 
 
 def parse_registry(text: str, where: str) -> Registry:
@@ -135,7 +144,7 @@ def add_user_model(entry: ModelEntry, user_file: Path | None = None) -> None:
     if entry.alias in parse_registry(existing, str(user_file)).models:
         raise PolspecError(f"{user_file}: alias {entry.alias!r} already exists; choose another --name")
     lines = [
-        f'\n[models."{entry.alias}"]',
+        f"\n[models.{_toml_string(entry.alias)}]",
         f"source = {_toml_string(entry.source)}",
         f"architecture = {_toml_string(entry.architecture)}",
         f"tokenizer_family = {_toml_string(entry.tokenizer_family)}",

@@ -30,7 +30,7 @@ from polspec.settings import database_url, db_busy_timeout_ms
 
 def display_url(url: str | URL | None = None) -> str:
     """The URL as it may be shown to users: the password is replaced by ``***``."""
-    return _parse(url).render_as_string(hide_password=True)
+    return parse_url(url).render_as_string(hide_password=True)
 
 
 def make_engine(url: str | URL | None = None, *, readonly: bool = False) -> Engine:
@@ -40,7 +40,7 @@ def make_engine(url: str | URL | None = None, *, readonly: bool = False) -> Engi
     SQLite opens the file with ``mode=ro`` (the file must exist) and takes no write lock, so
     long queries never hold up writers; PostgreSQL runs ``READ ONLY`` transactions.
     """
-    parsed = _parse(url)
+    parsed = parse_url(url)
     shown = parsed.render_as_string(hide_password=True)
     sqlite = parsed.get_backend_name() == "sqlite"
     timeout_ms = db_busy_timeout_ms() if sqlite else 0
@@ -100,11 +100,13 @@ def sqlite_file(url: URL) -> Path | None:
     return Path(database)
 
 
-def _parse(url: str | URL | None) -> URL:
+def parse_url(url: str | URL | None = None) -> URL:
+    """``url`` (default ``POLSPEC_DB_URL``) parsed, or a :class:`PolspecError` saying why it is not one."""
     try:
         parsed = make_url(url if url is not None else database_url())
     except ArgumentError as error:
-        raise PolspecError(f"not a database URL: {error}") from error
+        where = "" if url is not None else " (POLSPEC_DB_URL)"
+        raise PolspecError(f"not a database URL{where}: {error}") from error
     # A bare postgresql:// means psycopg2 to SQLAlchemy; polspec ships psycopg 3.
     return parsed.set(drivername="postgresql+psycopg") if parsed.drivername == "postgresql" else parsed
 

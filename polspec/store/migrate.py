@@ -26,7 +26,8 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import URL, Connection, Engine, text
 
 from polspec.errors import PolspecError
-from polspec.store.engine import display_url, make_engine, sqlite_file
+from polspec.settings import database_url_set
+from polspec.store.engine import display_url, make_engine, parse_url, sqlite_file
 
 # Any fixed 64-bit number: PostgreSQL advisory locks are keyed by integers.
 _PG_LOCK_KEY = int.from_bytes(hashlib.sha256(b"polspec schema migration").digest()[:8], "big", signed=True)
@@ -78,12 +79,19 @@ def ensure_schema(url: str | None = None) -> None:
 
 
 @contextmanager
-def upgraded_database(url: str | None = None, *, readonly: bool = False) -> Iterator[Engine]:
+def upgraded_database(url: str | None = None, *, readonly: bool = False, create: bool = True) -> Iterator[Engine]:
     """An engine on the database at ``url``, upgraded first if it is behind; disposed afterwards.
 
     What every command that reads or writes results opens (the worker refuses an old schema
-    with :func:`require_current_schema` instead).
+    with :func:`require_current_schema` instead). Commands that only read pass ``create=False``:
+    a SQLite file the user named (``url`` or ``POLSPEC_DB_URL``) that does not exist is then an
+    error, not a new empty database, so a mistyped URL is not read as "nothing stored yet".
+    The default database under ``POLSPEC_HOME`` is still created, empty.
     """
+    path = sqlite_file(parse_url(url))
+    if not create and path is not None and not path.exists() and (url is not None or database_url_set()):
+        raise PolspecError(f"database {display_url(url)}: no such file, nothing has been stored there "
+                           "(is POLSPEC_DB_URL right?)")
     ensure_schema(url)
     engine = make_engine(url, readonly=readonly)
     try:

@@ -160,6 +160,8 @@ def item_detail(engine: Engine, batch_id: int, key: str) -> dict[str, Any]:
     with session_scope(engine) as session:
         item = session.scalar(select(Item).where(Item.batch_id == batch_id, Item.item_key == key))
         if item is None:
+            if session.get(Batch, batch_id) is None:
+                raise PolspecError(f"no batch {batch_id} (polspec status lists the batches)")
             raise PolspecError(f"batch {batch_id} has no item {key!r}")
         result = item.result
         detail = {"batch": batch_id, "id": item.item_key, "status": item.status, "prompt": item.prompt,

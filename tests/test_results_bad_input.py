@@ -1,0 +1,100 @@
+"""The commands that read results and write them out: every user mistake is one line on stderr,
+a non-zero exit, and nothing written or created. Real redis-server and SQLite; no models load."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import stat
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from polspec.cli import main
+
+
+def cli(env: dict[str, str], *args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(main, list(args), env=env)
+    return result.exit_code, result.output
+
+
+@pytest.fixture
+def batch(sqlite_env: dict[str, str]) -> int:
+    """A generate batch of three queued items."""
+    code, output = cli(sqlite_env, "enqueue", "generate", "--dataset", "pl-short", "--limit", "3", "--json")
+    assert code == 0, output
+    return json.loads(output)["batch"]
+
+
+def test_an_unknown_batch_is_an_error_for_every_command_that_takes_one(sqlite_env, batch):
+    for args in (["results", "list", "--batch", "99"], ["results", "show", "99", "q1"], ["recover", "--batch", "99"],
+                 ["results", "export", "99"], ["status", "99"]):
+        code, output = cli(sqlite_env, *args)
+        assert code == 1 and output == "polspec: error: no batch 99 (polspec status lists the batches)\n", args
+    code, output = cli(sqlite_env, "results", "show", str(batch), "nosuch")
+    assert code == 1 and f"batch {batch} has no item 'nosuch'" in output
+
+
+def test_reading_a_database_file_that_does_not_exist_creates_nothing(sqlite_env, tmp_path):
+    missing = tmp_path / "typo" / "polspec.db"
+    env = dict(sqlite_env, POLSPEC_DB_URL=f"sqlite:///{missing}")
+    for args in (["status"], ["results", "list"], ["results", "sql", "SELECT 1"], ["report", "1"]):
+        code, output = cli(env, *args)
+        assert code == 1 and output.count("\n") == 1, args
+        assert f"database sqlite:///{missing}: no such file, nothing has been stored there" in output
+    assert not missing.parent.exists()
+
+
+def test_the_default_database_starts_empty(isolated_home, sqlite_env):
+    env = {key: value for key, value in sqlite_env.items() if key != "POLSPEC_DB_URL"}
+    code, output = cli(env, "status")
+    assert code == 0 and "no batches yet" in output and (isolated_home / "polspec.db").exists()
+
+
+def test_an_export_follows_the_umask_and_replaces_a_file_whole(sqlite_env, batch, tmp_path):
+    target = tmp_path / "wyniki.csv"
+    previous = os.umask(0o027)
+    try:
+        code, output = cli(sqlite_env, "results", "export", str(batch), "--format", "csv", "--output", str(target))
+    finally:
+        os.umask(previous)
+    assert code == 0, output
+    assert stat.S_IMODE(target.stat().st_mode) == 0o640  # not the temporary file's private 0600
+    assert len(target.read_text(encoding="utf-8-sig").splitlines()) == 4
+    target.chmod(0o604)
+    code, _ = cli(sqlite_env, "results", "export", str(batch), "--output", str(target))
+    assert code == 0 and stat.S_IMODE(target.stat().st_mode) == 0o604  # a replaced file keeps its mode
+    assert [json.loads(line)["status"] for line in target.read_text(encoding="utf-8").splitlines()] == ["queued"] * 3
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["data", "wyniki.csv"]
+
+
+def test_an_output_that_cannot_be_written_is_one_line_and_leaves_nothing(sqlite_env, batch, tmp_path):
+    blocker = tmp_path / "a-file"  # a file where a directory should be: refused even for root
+    blocker.write_text("")
+    code, output = cli(sqlite_env, "results", "export", str(batch), "--output", str(blocker / "x.csv"))
+    assert code == 1 and output == f"polspec: error: {blocker / 'x.csv'}: {blocker} is not a directory\n"
+    code, output = cli(sqlite_env, "results", "export", str(batch), "--output", str(tmp_path / "no" / "x.csv"))
+    assert code == 1 and "does not exist" in output and output.count("\n") == 1
+    if platform.system() == "Linux":  # a directory no file can be created in
+        code, output = cli(sqlite_env, "results", "export", str(batch), "--output", "/proc/polspec-x.csv")
+        assert code == 1 and output.startswith("polspec: error: /proc/polspec-x.csv: cannot write there:")
+        assert output.count("\n") == 1
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["a-file", "data"]
+
+
+def test_a_report_whose_plots_cannot_be_written_writes_no_report_either(sqlite_env, tmp_path):
+    sweep = tmp_path / "sweep.toml"
+    sweep.write_text('target = "gemma3-270m"\ndrafts = ["smollm2-135m"]\ndatasets = [{ name = "pl-short", limit = 1 }]\n')
+    code, output = cli(sqlite_env, "enqueue", "sweep", "--config", str(sweep), "--json")
+    assert code == 0, output
+    sweep_id = json.loads(output)["batch"]
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    report = tmp_path / "report.md"
+    code, output = cli(sqlite_env, "report", str(sweep_id), "--output", str(report), "--plots", str(blocker / "plots"))
+    assert code == 1 and output.startswith(f"polspec: error: {blocker / 'plots'}: cannot make the plots directory")
+    assert output.count("\n") == 1 and not report.exists()
+    code, output = cli(sqlite_env, "report", str(sweep_id), "--output", str(report))
+    assert code == 0 and report.read_text(encoding="utf-8").startswith("#")
