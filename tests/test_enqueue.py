@@ -96,7 +96,8 @@ def test_same_name_adds_only_new_ids(env, tmp_path):
     assert json.loads(output)["added"] == 1 and json.loads(output)["batch"] == 1
     assert counts(env) == (1, 4, 4)
     code, output = invoke(env, "--input", str(more), "--name", "nightly", "--target", "smollm2-135m", "--k", "3")
-    assert code == 1 and "exists with a different params" in output and output.count("\n") == 1
+    assert code == 1 and output.count("\n") == 1
+    assert "batch 'nightly' (id 1) exists with different parameters: k (2, not 3); choose another --name" in output
 
 
 def test_stdin_and_dataset_inputs(env):

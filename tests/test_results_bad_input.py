@@ -98,3 +98,14 @@ def test_a_report_whose_plots_cannot_be_written_writes_no_report_either(sqlite_e
     assert output.count("\n") == 1 and not report.exists()
     code, output = cli(sqlite_env, "report", str(sweep_id), "--output", str(report))
     assert code == 0 and report.read_text(encoding="utf-8").startswith("#")
+
+
+def test_the_read_only_query_cannot_create_a_file_or_run_nothing(sqlite_env, batch, tmp_path):
+    other = tmp_path / "other.db"
+    code, output = cli(sqlite_env, "results", "sql", f"ATTACH DATABASE '{other}' AS other")
+    assert code == 1 and output.startswith("polspec: error: the database refused the query: not authorized")
+    assert not other.exists()
+    code, output = cli(sqlite_env, "results", "sql", "  ")
+    assert code == 1 and output == "polspec: error: the query is empty\n"
+    code, output = cli(sqlite_env, "results", "sql", "SELECT count(*) AS n FROM items", "--json")
+    assert code == 0 and json.loads(output) == {"n": 3}

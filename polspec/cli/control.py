@@ -37,7 +37,6 @@ def recover(batch_id: int | None) -> None:
       polspec recover --batch 3
     """
     from polspec.jobs.control import recover as recover_items
-
     from polspec.store.queries import batch_progress
 
     with _connections() as (engine, connection):

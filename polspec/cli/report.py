@@ -19,9 +19,9 @@ from polspec.errors import PolspecError
 @click.option("--plots", type=click.Path(file_okay=False, path_type=Path),
               help="Write PNG plots into this directory (created if missing).")
 def report(sweep_id: int, fmt: str, output: Path | None, plots: Path | None) -> None:
-    """The report of sweep SWEEP_ID (the batch id `polspec enqueue sweep` printed; see
-    `polspec status`). Per dataset, draft, strategy and k (and temperature and verify where the sweep varies
-    them): acceptance per candidate and per draft token, tokens per round, tokens/s, speedup over
+    """The report of sweep SWEEP_ID (the batch id `polspec enqueue sweep` printed; `polspec
+    status` lists them). Per dataset, draft, strategy and k (and temperature and verify where the
+    sweep varies them): acceptance per candidate and per draft token, tokens per round, tokens/s, speedup over
     the paired target-only baseline at the same temperature (95% interval over prompts), J/token,
     translation overhead, and the cost model's predicted speedup and break-even acceptance.
 

@@ -79,9 +79,16 @@ def _write_batch(engine: Engine, spec: GenerateSpec, items: list[ItemInput],
 
 def _check_same_request(batch: Batch, wanted: dict) -> None:
     for key in ("kind", "target", "draft", "params", "chat"):
-        if batch.spec.get(key) != wanted[key]:
-            raise PolspecError(f"batch {batch.name!r} (id {batch.id}) exists with a different {key}: "
-                               f"{batch.spec.get(key)!r}, not {wanted[key]!r}; choose another --name")
+        stored = batch.spec.get(key)
+        if stored == wanted[key]:
+            continue
+        if key == "params":  # the parameters that differ, not two whole dictionaries
+            differ = [name for name in sorted(set(stored) | set(wanted[key])) if stored.get(name) != wanted[key].get(name)]
+            what = ", ".join(f"{name} ({stored.get(name)!r}, not {wanted[key].get(name)!r})" for name in differ)
+            raise PolspecError(f"batch {batch.name!r} (id {batch.id}) exists with different parameters: {what}; "
+                               "choose another --name")
+        raise PolspecError(f"batch {batch.name!r} (id {batch.id}) exists with a different {key}: "
+                           f"{stored!r}, not {wanted[key]!r}; choose another --name")
 
 
 def _enqueue_or_undo(engine: Engine, connection: redis.Redis, queue_url: str, name: str,

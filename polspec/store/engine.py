@@ -14,6 +14,7 @@ the password hidden; those from a database operation are its subclass :class:`Da
 
 from __future__ import annotations
 
+import sqlite3
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -125,9 +126,15 @@ def _set_up_sqlite(engine: Engine, *, timeout_ms: int, readonly: bool) -> None:
         cursor.execute("PRAGMA synchronous = NORMAL")
         cursor.execute("PRAGMA foreign_keys = ON")
         cursor.close()
+        if readonly:  # mode=ro covers the database file, not another one ATTACH would create
+            dbapi_connection.set_authorizer(_refuse_attach)
 
     begin = "BEGIN" if readonly else "BEGIN IMMEDIATE"
 
     @event.listens_for(engine, "begin")
     def _on_begin(connection) -> None:
         connection.exec_driver_sql(begin)
+
+
+def _refuse_attach(action: int, *_) -> int:
+    return sqlite3.SQLITE_DENY if action == sqlite3.SQLITE_ATTACH else sqlite3.SQLITE_OK

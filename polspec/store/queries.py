@@ -183,6 +183,8 @@ def run_sql(engine: Engine, sql: str) -> tuple[list[str], list[tuple]]:
 
     Whatever the database refuses (syntax, unknown table, a write) is a one-line error.
     """
+    if not sql.strip():
+        raise PolspecError("the query is empty")
     try:
         with engine.connect() as connection:
             result = connection.execute(text(sql))
