@@ -49,7 +49,7 @@ def test_doctor_reports_backend_redis_database_and_energy(redis_url, sqlite_url)
 def test_doctor_names_an_unreachable_redis_without_its_password(closed_port, sqlite_url):
     url = f"redis://:s3cret@127.0.0.1:{closed_port}/0"
     code, output = invoke("doctor", "--json", env={"POLSPEC_REDIS_URL": url, "POLSPEC_DB_URL": sqlite_url})
-    assert code == 0
+    assert code == 1  # a failure, not a warning: nothing can be queued
     report = json.loads(output)
     assert not report["redis"]["reachable"] and report["redis"]["error"]
     assert f"127.0.0.1:{closed_port}" in report["redis"]["url"] and "s3cret" not in output
@@ -58,7 +58,7 @@ def test_doctor_names_an_unreachable_redis_without_its_password(closed_port, sql
 @pytest.mark.slow
 def test_doctor_reports_a_malformed_redis_url(sqlite_url):
     code, output = invoke("doctor", "--json", env={"POLSPEC_REDIS_URL": "localhost:6379", "POLSPEC_DB_URL": sqlite_url})
-    assert code == 0, output
+    assert code == 1, output
     report = json.loads(output)["redis"]
     assert not report["reachable"] and report["error"].startswith("not a Redis URL (")
 
@@ -76,9 +76,12 @@ def test_out_of_range_options_are_usage_errors(sqlite_url, args, message):
 def test_doctor_human_report_marks_problems(closed_port, sqlite_url):
     code, output = invoke("doctor", env={"POLSPEC_REDIS_URL": f"redis://127.0.0.1:{closed_port}/0",
                                          "POLSPEC_DB_URL": sqlite_url})
-    assert code == 0
+    assert code == 1
     assert re.search(r"^!! redis +redis://127\.0\.0\.1:\d+/0: unreachable", output, re.M)
-    assert re.search(r"^!! database .*run polspec db upgrade", output, re.M)
+    assert re.search(r"^-- database .*run polspec db upgrade", output, re.M)  # commands upgrade it themselves
+    code, output = invoke("doctor", env={"POLSPEC_REDIS_URL": f"redis://127.0.0.1:{closed_port}/0",
+                                         "POLSPEC_DB_URL": "nosuch://x"})
+    assert code == 1 and re.search(r"^!! database +nosuch://x: ", output, re.M)
 
 
 @pytest.mark.slow

@@ -218,6 +218,15 @@ def test_unreachable_redis_names_the_url_and_creates_no_batch(env, tmp_path, clo
     assert counts(env) == (0, 0, 0)
 
 
+def test_a_redis_database_number_the_server_lacks_is_named_as_such(env, tmp_path):
+    source = write_jsonl(tmp_path / "p.jsonl", GOOD)
+    bad = dict(env, POLSPEC_REDIS_URL=env["POLSPEC_REDIS_URL"].rsplit("/", 1)[0] + "/99")
+    code, output = invoke(bad, "--input", str(source), "--target", "smollm2-135m")
+    assert code == 1 and output.count("\n") == 1
+    assert "refused the connection: DB index is out of range (check the database number" in output
+    assert counts(env) == (0, 0, 0)
+
+
 def test_database_locked_beyond_the_timeout_is_one_line(env, tmp_path):
     source = write_jsonl(tmp_path / "p.jsonl", GOOD)
     upgrade(env["POLSPEC_DB_URL"])

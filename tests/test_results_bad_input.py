@@ -44,6 +44,8 @@ def test_reading_a_database_file_that_does_not_exist_creates_nothing(sqlite_env,
         code, output = cli(env, *args)
         assert code == 1 and output.count("\n") == 1, args
         assert f"database sqlite:///{missing}: no such file, nothing has been stored there" in output
+    code, output = cli(env, "db", "current")  # asking is not writing
+    assert code == 0 and "revision none" in output
     assert not missing.parent.exists()
 
 

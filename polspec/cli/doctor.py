@@ -77,8 +77,17 @@ def collect() -> dict:
     }
 
 
+def failures(report: dict) -> list[str]:
+    """What keeps polspec from working here: an unreachable Redis, an unusable database. (A slow
+    BLAS, Redis without AOF, an old schema or no energy meter are warnings: work still runs.)"""
+    return [name for name, failed in (("redis", not report["redis"]["reachable"]),
+                                      ("database", "error" in report["database"])) if failed]
+
+
 def _print_human(report: dict) -> None:
-    ok, bad = click.style("ok", fg="green"), click.style("!!", fg="red")
+    marks = {"ok": click.style("ok", fg="green"), "warning": click.style("--", fg="yellow"),
+             "failure": click.style("!!", fg="red")}
+    failed = failures(report)
     blas = report["blas_fix"]
     redis_report, db, energy = report["redis"], report["database"], report["energy"]
     lines = [
@@ -103,7 +112,8 @@ def _print_human(report: dict) -> None:
     ]
     width = max(len(name) for name, _, _ in lines)
     for name, good, text in lines:
-        click.echo(f"{ok if good else bad} {name:<{width}}  {text}")
+        mark = "ok" if good else "failure" if name in failed else "warning"
+        click.echo(f"{marks[mark]} {name:<{width}}  {text}")
 
 
 @click.command()
@@ -113,10 +123,19 @@ def doctor(as_json: bool) -> None:
 
     Measures float32 matmul throughput and memory bandwidth on the chosen device, so
     you can see at once whether the Linux BLAS fix is working (hundreds of GFLOP/s
-    instead of single digits).
+    instead of single digits). Takes a few seconds. Marks: ok; -- a warning (work still
+    runs: a slow BLAS, Redis without AOF, an old schema, no energy meter); !! a failure
+    (Redis unreachable, database unusable), which also makes the exit status 1.
+
+    \b
+    Examples:
+      polspec doctor
+      polspec doctor --json | jq .matmul_gflops_f32
     """
     report = collect()
     if as_json:
         click.echo(json.dumps(report))
     else:
         _print_human(report)
+    if failures(report):
+        sys.exit(1)

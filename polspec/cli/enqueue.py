@@ -30,7 +30,8 @@ def enqueue() -> None:
 def generate(input_path: str | None, dataset: str | None, limit: int | None, name: str | None, target: str,
              draft: str, raw: bool, as_json: bool, **options) -> None:
     """Queue one generation per prompt, decoded with the options given, on the target's queue
-    (polspec-TARGET, which `polspec worker --target TARGET` serves). Give --input or --dataset.
+    (polspec-TARGET, which `polspec worker` serves; `--queue TARGET` for that one alone). Give
+    --input or --dataset.
 
     Every line is checked before anything is written: a bad line is reported with its file and
     line number and nothing is queued. A line may set its own max_tokens, k, strategy, prefix,

@@ -55,6 +55,9 @@ def connect(url: str | None = None) -> redis.Redis:
         connection.ping()
     except ValueError as error:
         raise PolspecError(f"not a Redis URL: {display_redis_url(url)} ({error})") from None
+    except redis.ResponseError as error:  # the server answered: the URL's database or credentials are wrong
+        raise PolspecError(f"Redis at {display_redis_url(url)} refused the connection: {error} "
+                           "(check the database number and password in POLSPEC_REDIS_URL)") from None
     except redis.RedisError as error:
         raise PolspecError(f"Redis at {display_redis_url(url)} is not reachable: {error} "
                            "(start redis-server, or set POLSPEC_REDIS_URL)") from None

@@ -49,7 +49,11 @@ def head_revision() -> str:
 
 
 def current_revision(url: str | None = None) -> str | None:
-    """The database's revision; None for an empty database."""
+    """The database's revision; None for an empty database, or a SQLite file that does not exist
+    (which this leaves uncreated: asking is not writing)."""
+    path = sqlite_file(parse_url(url))
+    if path is not None and not path.exists():
+        return None
     engine = make_engine(url)
     try:
         with engine.connect() as connection:
