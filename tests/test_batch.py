@@ -271,3 +271,24 @@ def test_the_probe_seen_at_a_batch_size_interpolates_its_batch_table():
     assert at_two.tau == pytest.approx(0.02 * 0.10 * 2 / 0.12)  # one translation per sequence
     assert probe.at_batch(8).target_step_s == pytest.approx(0.16 + (0.16 - 0.10) / 3 * 4)
     assert Probe.from_dict(probe.as_dict()) == probe
+
+
+@pytest.mark.slow
+def test_an_unseeded_sampled_run_records_the_seed_that_reruns_it(gemma3, smollm2):
+    """Without a seed each run draws one; the metrics keep it, and that seed given back repeats
+    the text exactly, alone or in a batch, target-only or speculative."""
+    for draft in (None, smollm2):
+        params = DecodingParams(max_tokens=6, temperature=1.0, k=2)
+        first = generate(gemma3, draft, PROMPTS[0], params, chat=False)
+        assert isinstance(first.metrics.seed, int)
+        again = generate(gemma3, draft, PROMPTS[0], DecodingParams(**{**params.as_dict(), "seed": first.metrics.seed}),
+                         chat=False)
+        assert again.token_ids == first.token_ids and again.metrics.seed == first.metrics.seed
+        tokens, seeds = {0: [], 1: []}, {}
+        for event in stream_batch(gemma3, draft, [(PROMPTS[0], params), (PROMPTS[1], params)], chat=False):
+            tokens[event.key] += event.commit.tokens if event.commit else []
+            seeds[event.key] = event.metrics.seed
+        assert seeds[0] != seeds[1]  # each sequence draws its own
+        alone = generate(gemma3, draft, PROMPTS[1], DecodingParams(**{**params.as_dict(), "seed": seeds[1]}), chat=False)
+        assert alone.token_ids == tokens[1]
+    assert generate(gemma3, None, PROMPTS[0], DecodingParams(max_tokens=2), chat=False).metrics.seed is None

@@ -81,7 +81,8 @@ def show_command(batch_id: int, item_id: str, as_json: bool) -> None:
         click.echo(f"text: {detail['text']}")
         metrics = detail["metrics"]
         shown = {key: metrics.get(key) for key in ("generated_tokens", "decode_tokens_per_s", "acceptance_per_candidate",
-                                                    "tokens_per_round", "rounds", "batch_size", "prefill_s", "decode_s")}
+                                                    "tokens_per_round", "rounds", "batch_size", "prefill_s", "decode_s",
+                                                    "seed")}
         click.echo("metrics: " + ", ".join(f"{key}={value:.3g}" if isinstance(value, float) else f"{key}={value}"
                                             for key, value in shown.items() if value is not None))
         energy = (f"{detail['energy_joules']:.3g} J ({detail['energy_source']})" if detail["energy_joules"] is not None

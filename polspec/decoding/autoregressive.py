@@ -14,7 +14,7 @@ from polspec.decoding.commit import Commit
 from polspec.decoding.kv import prefill
 from polspec.decoding.metrics import DecodeMetrics
 from polspec.decoding.params import DecodingParams
-from polspec.decoding.sampling import token_sampler
+from polspec.decoding.sampling import sequence_seed, token_sampler
 from polspec.models.loader import LoadedModel
 
 
@@ -26,7 +26,9 @@ def generate_autoregressive(
     The last prompt token is fed with the first decode step, exactly as the speculative
     decoder does, so prefill and decode times compare one to one.
     """
-    sample = token_sampler(params)
+    seed = sequence_seed(params)
+    sample = token_sampler(params, seed)
+    metrics.seed = seed if params.temperature > 0 else None
     eos = set(target.tokenizer.eos_token_ids)
     cache = make_prompt_cache(target.model)
     metrics.prompt_tokens = len(prompt)

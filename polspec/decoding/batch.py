@@ -139,6 +139,7 @@ class BatchDecoder:
                 sequence.shared = shared_draft(sequence.head, self.target, self.draft)
         sequence.seed = sequence_seed(params)
         sequence.sample = token_sampler(params, sequence.seed)
+        metrics.seed = sequence.seed if params.temperature > 0 else None
         sequence.eos = set(self.target.tokenizer.eos_token_ids)
         self.waiting.append(sequence)
 

@@ -37,6 +37,7 @@ class DecodeMetrics:
     draft_vocab: int | None = None  # tokens the draft could propose (a pruned vocabulary); None: all
     verify: str | None = None  # how rounds were verified (exact, tli); None without a draft
     k_policy_note: str = ""  # what the auto draft length decided, when it decided for the whole generation
+    seed: int | None = None  # the sampler's seed when sampling (drawn when none was given): reruns it exactly
 
     @property
     def acceptance_per_candidate(self) -> float | None:

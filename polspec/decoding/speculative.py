@@ -206,6 +206,7 @@ def generate_speculative(
     """
     seed = sequence_seed(params)
     sample = token_sampler(params, seed)
+    metrics.seed = seed if params.temperature > 0 else None
     eos = set(target.tokenizer.eos_token_ids)
     tables = translation_tables(target, draft)
     target_table = tables[1] if tables else None
