@@ -14,6 +14,7 @@ from click.testing import CliRunner
 from polspec.cli import main
 from polspec.decoding import DecodingParams, generate
 from polspec.decoding.acceptance import AcceptanceEstimate
+from polspec.decoding.batch import BatchDecoder
 from polspec.decoding.costmodel import Probe
 from polspec.decoding.draft_vocab import draft_head
 from polspec.decoding.kv import new_cache
@@ -300,3 +301,24 @@ def test_spans_join_to_the_text_when_a_letter_is_split_between_runs(smollm2):
         assert "".join(span for span, _ in spans) == text
         assert not any("\ufffd" in span for span, _ in spans)
         assert len(spans) > 1
+
+
+@pytest.mark.slow
+def test_a_prompt_longer_than_the_draft_takes_decodes_target_only_and_says_why(gemma3, smollm2):
+    """SmolLM2 reads 8,192 positions, Gemma-3 32,768: asked for more than the draft can read,
+    a request decodes without it (alone and in a batch) rather than fail or feed it garbage."""
+    prompt, limit = "Kot siedzi na płocie. " * 20, smollm2.context_length
+    draft_ids = encode_prompt(smollm2, prompt, False)
+    fits = DecodingParams(max_tokens=limit - len(draft_ids), k=2)
+    too_long = DecodingParams(max_tokens=limit - len(draft_ids) + 1, k=2)
+    metrics = DecodeMetrics()
+    stream(gemma3, smollm2, prompt, fits, metrics, chat=False)  # lazy: nothing decodes until iterated
+    assert metrics.k_policy_note == ""
+    stream(gemma3, smollm2, prompt, too_long, metrics, chat=False)
+    assert metrics.k_policy_note.startswith(f"plain decoding: the prompt has {len(draft_ids)} of smollm2-135m's tokens")
+    decoder = BatchDecoder(gemma3, smollm2, max_batch=2)
+    decoder.add("long", prompt, too_long, chat=False)
+    decoder.add("short", prompt, DecodingParams(max_tokens=4, k=2), chat=False)
+    events = {event.key: event for event in decoder.step()}
+    assert events["long"].metrics.draft_tokens == 0 and "takes at most 8192" in events["long"].metrics.k_policy_note
+    assert events["short"].metrics.draft_tokens > 0 and events["short"].metrics.k_policy_note == ""

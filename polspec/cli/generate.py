@@ -59,6 +59,7 @@ def generate(prompt: str, target: str, draft: str, raw: bool, show_accepted: boo
     from polspec.decoding.prompts import check_prompt
     from polspec.decoding.run import generate as generate_text, stream
     from polspec.models.loader import load_model
+    from polspec.decoding.probe_files import load_probe
     from polspec.models.registry import load_registry
 
     params = decoding_params(options)
@@ -69,6 +70,9 @@ def generate(prompt: str, target: str, draft: str, raw: bool, show_accepted: boo
         registry.model(draft)
     target_model = load_model(target)
     draft_model = None if draft == "none" else load_model(draft)
+    if draft_model is not None and params.k == "auto" and load_probe(target, draft) is None:
+        click.echo(f"k=auto: measuring what a round costs for {target} with {draft} on this machine, once "
+                   "(a minute or two; `polspec models probe` does it ahead of time)", err=True)
     chat = False if raw else None
     if as_json:
         result = generate_text(target_model, draft_model, prompt, params, chat)
@@ -82,3 +86,5 @@ def generate(prompt: str, target: str, draft: str, raw: bool, show_accepted: boo
     for commit in stream(target_model, draft_model, prompt, params, metrics, chat):
         printer.add(commit.tokens, commit.drafted)
     click.echo()
+    if metrics.k_policy_note:  # the draft was loaded but not used: say why
+        click.echo(f"note: {metrics.k_policy_note}", err=True)

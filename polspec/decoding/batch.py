@@ -44,7 +44,7 @@ from polspec.decoding.draft_vocab import draft_head
 from polspec.decoding.metrics import DecodeMetrics
 from polspec.decoding.params import DecodingParams
 from polspec.decoding.policy import DraftLength, shared_auto_k
-from polspec.decoding.prompts import Prompt, encode_request
+from polspec.decoding.prompts import Prompt, draft_cannot_take, encode_request
 from polspec.decoding.sampling import sequence_seed, token_sampler
 from polspec.decoding.speculative import DraftText, settle_round, translate_proposal, translation_tables
 from polspec.decoding.speculative_sampling import SharedDraft, shared_draft, speculative_choices
@@ -127,7 +127,9 @@ class BatchDecoder:
         target_ids, draft_ids = encode_request(self.target, self.draft, prompt, params, chat)
         metrics = DecodeMetrics(prompt_tokens=len(target_ids))
         policy = None
-        if self.draft is not None:
+        if self.draft is not None and (reason := draft_cannot_take(self.draft, draft_ids, params)):
+            metrics.k_policy_note = reason
+        elif self.draft is not None:
             policy = self._policy(params, metrics)
         sequence = _Sequence(key, params, target_ids, metrics, policy,
                              DraftText(draft_ids, self.tables and self.tables[0]) if policy else None)

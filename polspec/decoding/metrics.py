@@ -36,7 +36,7 @@ class DecodeMetrics:
     finish_reason: str = ""
     draft_vocab: int | None = None  # tokens the draft could propose (a pruned vocabulary); None: all
     verify: str | None = None  # how rounds were verified (exact, tli); None without a draft
-    k_policy_note: str = ""  # what the auto draft length decided, when it decided for the whole generation
+    k_policy_note: str = ""  # why a generation with a draft decoded without it (auto's cost model, a long prompt)
     seed: int | None = None  # the sampler's seed when sampling (drawn when none was given): reruns it exactly
 
     @property

@@ -97,3 +97,15 @@ def encode_request(
             f"but {target.entry.alias} takes at most {limit}"
         )
     return target_ids, encode_prompt(draft, prompt, chat) if draft is not None else None
+
+
+def draft_cannot_take(draft: LoadedModel, draft_ids: list[int], params: DecodingParams) -> str | None:
+    """Why ``draft`` cannot propose for this prompt, or None. Its context is shorter than the
+    prompt and the tokens asked for: its positions past that are untrained and its proposals
+    worthless, while feeding it such a prompt can cost more than the whole target-only run. The
+    decoders then run the request target-only, with this reason as its ``k_policy_note``."""
+    limit = draft.context_length
+    if limit and len(draft_ids) + params.max_tokens > limit:
+        return (f"plain decoding: the prompt has {len(draft_ids)} of {draft.entry.alias}'s tokens and "
+                f"{params.max_tokens} more were asked for, but the draft takes at most {limit}")
+    return None

@@ -17,7 +17,7 @@ from polspec.decoding.metrics import DecodeMetrics
 from polspec.decoding.params import DecodingParams
 from polspec.decoding.policy import DraftLength
 from polspec.decoding.probe_files import load_probe, save_probe
-from polspec.decoding.prompts import Prompt, encode_prompt, encode_request  # noqa: F401  (encode_prompt: part of this API)
+from polspec.decoding.prompts import Prompt, draft_cannot_take, encode_prompt, encode_request  # noqa: F401  (encode_prompt: part of this API)
 from polspec.decoding.speculative import generate_speculative
 from polspec.models.loader import LoadedModel
 
@@ -45,6 +45,9 @@ def stream(
     in as decoding goes.
     """
     target_ids, draft_ids = encode_request(target, draft, prompt, params, chat)
+    if draft is not None and (reason := draft_cannot_take(draft, draft_ids, params)):
+        metrics.k_policy_note = reason
+        draft = None
     policy = None
     if draft is not None and params.k == "auto":
         policy = auto_draft_length(target, draft, params)
