@@ -206,9 +206,9 @@ def test_invalid_parameters(kwargs, message):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--k", "0"], "k must be between 1 and 16, got 0"),
-    (["--top-p", "0"], "top_p must be in (0, 1], got 0.0"),
-    (["--temperature", "-1"], "temperature must be a finite number, 0 or more, got -1.0"),
+    (["--k", "0"], "--k must be between 1 and 16, got 0"),
+    (["--top-p", "0"], "--top-p must be in (0, 1], got 0.0"),
+    (["--temperature", "-1"], "--temperature must be a finite number, 0 or more, got -1.0"),
 ])
 def test_cli_rejects_bad_parameters_in_one_line(args, message):
     result = CliRunner().invoke(main, ["generate", "Kraków jest", "--draft", "smollm2-135m", *args])

@@ -147,7 +147,7 @@ def test_invalid_draft_vocabularies(value, message):
 def test_the_cli_refuses_a_tiny_draft_vocabulary_in_one_line():
     result = CliRunner().invoke(main, ["generate", "Kraków jest", "--draft", "smollm2-135m", "--draft-vocab", "10"])
     assert result.exit_code == 1
-    assert result.output == "polspec: error: draft_vocab must be at least 1024 tokens, auto or full, got 10\n"
+    assert result.output == "polspec: error: --draft-vocab must be at least 1024 tokens, auto or full, got 10\n"
 
 
 def test_an_architecture_that_cannot_split_refuses_pruning():

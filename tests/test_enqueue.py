@@ -172,12 +172,12 @@ def test_non_utf8_input_names_the_line(env, tmp_path):
 @pytest.mark.parametrize(("args", "message"), [
     (["--target", "gemma-270m"], "unknown model alias 'gemma-270m'; did you mean gemma3-270m"),
     (["--draft", "smollm"], "unknown model alias 'smollm'"),
-    (["--k", "0"], "k must be between 1 and 16, got 0"),
+    (["--k", "0"], "--k must be between 1 and 16, got 0"),
     (["--temperature", "-1"], "temperature must be a finite number, 0 or more"),
     (["--temperature", "nan"], "temperature must be a finite number, 0 or more, got nan"),
-    (["--seed", "-1", "--temperature", "0.7"], "seed must be between 0 and 9223372036854775807"),
-    (["--top-p", "0"], "top_p must be in (0, 1]"),
-    (["--prefix", "-2"], "prefix must be 0 or more"),
+    (["--seed", "-1", "--temperature", "0.7"], "--seed must be between 0 and 9223372036854775807"),
+    (["--top-p", "0"], "--top-p must be in (0, 1]"),
+    (["--prefix", "-2"], "--prefix must be 0 or more"),
     (["--target", "qwen2.5-coder-1.5b", "--draft", "gemma3-270m"], "draft gemma3-270m has no chat template"),
 ])
 def test_bad_models_and_options_write_nothing(env, tmp_path, args, message):

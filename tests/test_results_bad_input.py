@@ -111,3 +111,14 @@ def test_the_read_only_query_cannot_create_a_file_or_run_nothing(sqlite_env, bat
     assert code == 1 and output == "polspec: error: the query is empty\n"
     code, output = cli(sqlite_env, "results", "sql", "SELECT count(*) AS n FROM items", "--json")
     assert code == 0 and json.loads(output) == {"n": 3}
+
+
+def test_show_cuts_a_long_prompt_short_and_json_keeps_it_whole(sqlite_env, tmp_path):
+    source = tmp_path / "long.jsonl"
+    long_prompt = "Kraków leży nad Wisłą. " * 100
+    source.write_text(json.dumps({"id": "long", "prompt": long_prompt}, ensure_ascii=False) + "\n", encoding="utf-8")
+    code, output = cli(sqlite_env, "enqueue", "generate", "--input", str(source), "--json")
+    batch = json.loads(output)["batch"]
+    code, output = cli(sqlite_env, "results", "show", str(batch), "long")
+    assert code == 0 and f"prompt: {long_prompt[:400]}... (2,300 characters; --json gives it whole)" in output
+    assert json.loads(cli(sqlite_env, "results", "show", str(batch), "long", "--json")[1])["prompt"] == long_prompt

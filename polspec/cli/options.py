@@ -7,6 +7,7 @@ from collections.abc import Callable
 import click
 
 from polspec.decoding.params import DRAFT_VOCAB, K_POLICIES, MAX_K, PARTIAL_WORD, STRATEGIES, VERIFY
+from polspec.errors import PolspecError
 
 DEFAULT_TARGET = "gemma3-270m"
 
@@ -70,8 +71,16 @@ def decoding_options(command: Callable) -> Callable:
 
 
 def decoding_params(options: dict):
-    """DecodingParams from the parsed options (validated there, with one-line errors)."""
+    """DecodingParams from the parsed options (validated there, with one-line errors that name
+    the option as it was typed: ``--max-tokens``, where a JSONL line or sweep file says
+    ``max_tokens``)."""
     from polspec.decoding.params import DecodingParams
     from polspec.jobs.spec import ITEM_PARAMS
 
-    return DecodingParams(**{name: options[name] for name in ITEM_PARAMS})
+    try:
+        return DecodingParams(**{name: options[name] for name in ITEM_PARAMS})
+    except PolspecError as error:
+        field, _, rest = str(error).partition(" ")
+        if field in ITEM_PARAMS and rest:
+            raise PolspecError(f"--{field.replace('_', '-')} {rest}") from None
+        raise

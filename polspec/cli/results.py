@@ -15,6 +15,11 @@ from polspec.cli.files import write_file_atomically
 from polspec.store.schema import Status
 
 
+# Characters of a prompt `results show` prints: the text it led to is the point, and a long
+# document given as a prompt would bury it.
+SHOWN_PROMPT = 400
+
+
 @click.group()
 def results() -> None:
     """Look at the stored results: every item of every batch, with its metrics (POLSPEC_DB_URL)."""
@@ -74,7 +79,10 @@ def show_command(batch_id: int, item_id: str, as_json: bool) -> None:
         click.echo(json.dumps(detail, ensure_ascii=False))
         return
     click.echo(f"batch {batch_id} item {detail['id']}: {detail['status']} after {detail['attempts']} attempt(s)")
-    click.echo(f"prompt: {detail['prompt'] if detail['prompt'] is not None else json.dumps(detail['messages'], ensure_ascii=False)}")
+    prompt = detail["prompt"] if detail["prompt"] is not None else json.dumps(detail["messages"], ensure_ascii=False)
+    if len(prompt) > SHOWN_PROMPT:
+        prompt = f"{prompt[:SHOWN_PROMPT]}... ({len(prompt):,} characters; --json gives it whole)"
+    click.echo(f"prompt: {prompt}")
     if detail.get("error"):
         click.echo(f"error: {detail['error']}")
     if "text" in detail:
