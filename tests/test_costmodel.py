@@ -7,7 +7,9 @@ import functools
 import math
 
 import pytest
+from click.testing import CliRunner
 
+from polspec.cli import main
 from polspec.decoding import DecodingParams, generate, run
 from polspec.decoding.acceptance import PLAIN_HALF_LIFE, PRIOR_WEIGHT, AcceptanceEstimate, acceptance_estimate
 from polspec.decoding.costmodel import (
@@ -280,6 +282,10 @@ def test_auto_falls_back_to_plain_decoding_when_no_k_can_pay(gemma3, smollm2, ho
     baseline = generate(gemma3, None, "Kraków jest", DecodingParams(max_tokens=12))
     assert result.token_ids == baseline.token_ids
     assert result.metrics.draft_tokens == 0 and "plain decoding" in result.metrics.k_policy_note
+    # The command line says why the draft it loaded went unused.
+    cli = CliRunner().invoke(main, ["generate", "Kraków jest", "--draft", "smollm2-135m", "--k", "auto",
+                                    "--max-tokens", "2"])
+    assert cli.exit_code == 0 and f"note: {result.metrics.k_policy_note}\n" in cli.output
 
 
 @pytest.mark.slow
