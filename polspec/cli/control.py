@@ -37,11 +37,11 @@ def recover(batch_id: int | None) -> None:
       polspec recover --batch 3
     """
     from polspec.jobs.control import recover as recover_items
-    from polspec.store.queries import batch_progress
+    from polspec.store.queries import require_batch
 
     with _connections() as (engine, connection):
         if batch_id is not None:
-            batch_progress(engine, batch_id)  # an unknown batch is an error, not "nothing to recover"
+            require_batch(engine, batch_id)  # an unknown batch is an error, not "nothing to recover"
         report = recover_items(engine, connection, batch_id)
     if not report.total:
         click.echo("nothing to recover: every unfinished item has a job")

@@ -84,10 +84,9 @@ def failures(report: dict) -> list[str]:
                                       ("database", "error" in report["database"])) if failed]
 
 
-def _print_human(report: dict) -> None:
+def _print_human(report: dict, failed: list[str]) -> None:
     marks = {"ok": click.style("ok", fg="green"), "warning": click.style("--", fg="yellow"),
              "failure": click.style("!!", fg="red")}
-    failed = failures(report)
     blas = report["blas_fix"]
     redis_report, db, energy = report["redis"], report["database"], report["energy"]
     lines = [
@@ -133,9 +132,10 @@ def doctor(as_json: bool) -> None:
       polspec doctor --json | jq .matmul_gflops_f32
     """
     report = collect()
+    failed = failures(report)
     if as_json:
         click.echo(json.dumps(report))
     else:
-        _print_human(report)
-    if failures(report):
+        _print_human(report, failed)
+    if failed:
         sys.exit(1)

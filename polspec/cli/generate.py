@@ -56,10 +56,10 @@ def generate(prompt: str, target: str, draft: str, raw: bool, show_accepted: boo
       polspec generate "Napisz haiku o Wiśle." --target qwen2.5-coder-1.5b --draft gemma3-270m --raw --json
     """
     from polspec.decoding.metrics import DecodeMetrics
+    from polspec.decoding.probe_files import load_probe
     from polspec.decoding.prompts import check_prompt
     from polspec.decoding.run import generate as generate_text, stream
     from polspec.models.loader import load_model
-    from polspec.decoding.probe_files import load_probe
     from polspec.models.registry import load_registry
 
     params = decoding_params(options)

@@ -40,11 +40,11 @@ def list_command(batch_id: int | None, status: str | None, limit: int, as_json: 
       polspec results list --status failed
     """
     from polspec.store.migrate import upgraded_database
-    from polspec.store.queries import batch_progress, item_rows
+    from polspec.store.queries import item_rows, require_batch
 
     with upgraded_database(create=False) as engine:
         if batch_id is not None:
-            batch_progress(engine, batch_id)  # an unknown batch is an error, not "no items match"
+            require_batch(engine, batch_id)  # an unknown batch is an error, not "no items match"
         rows = list(item_rows(engine, batch_id, status, limit or None))
     if as_json:
         for row in rows:
@@ -115,10 +115,10 @@ def export_command(batch_id: int, fmt: str, output: Path | None) -> None:
       polspec results export 3 > wyniki.jsonl
     """
     from polspec.store.migrate import upgraded_database
-    from polspec.store.queries import EXPORT_COLUMNS, batch_progress, item_rows
+    from polspec.store.queries import EXPORT_COLUMNS, item_rows, require_batch
 
     with upgraded_database(create=False) as engine:
-        batch_progress(engine, batch_id)  # an unknown batch is an error, not an empty file
+        require_batch(engine, batch_id)  # an unknown batch is an error, not an empty file
         rows = item_rows(engine, batch_id)
         if output is None:
             _write(sys.stdout, rows, fmt, EXPORT_COLUMNS, bom=False)

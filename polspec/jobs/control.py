@@ -23,10 +23,10 @@ import redis
 from rq.job import JobStatus
 from sqlalchemy import Engine, select, update
 
-from polspec.errors import PolspecError
 from polspec.jobs.queue import JOB_FUNCTION, delete_jobs, enqueue_items, fetch_jobs, job_id, make_queue, queue_name
 from polspec.store.engine import session_scope
 from polspec.store.items import DEFAULT_LEASE_S, Worker, database_id, owner_gone
+from polspec.store.queries import find_batch
 from polspec.store.schema import Batch, Item, Status, utcnow
 
 _WAITING = {JobStatus.QUEUED, JobStatus.DEFERRED, JobStatus.SCHEDULED}
@@ -104,7 +104,7 @@ def cancel(engine: Engine, connection: redis.Redis | None, batch_id: int) -> int
     """Cancel a batch: its queued items are cancelled and their jobs removed; running ones stop
     at their next round (the worker checks). Returns the number of items cancelled now."""
     with session_scope(engine) as session:
-        batch = _batch(session, batch_id)
+        batch = find_batch(session, batch_id)
         batch.status = Status.CANCELLED.value
         ids = list(session.scalars(select(Item.id).where(Item.batch_id == batch_id,
                                                          Item.status == Status.QUEUED.value)))
@@ -119,7 +119,7 @@ def cancel(engine: Engine, connection: redis.Redis | None, batch_id: int) -> int
 def retry_failed(engine: Engine, connection: redis.Redis, batch_id: int) -> int:
     """Queue a batch's failed items again (a cancelled batch is reopened for them)."""
     with session_scope(engine) as session:
-        batch = _batch(session, batch_id)
+        batch = find_batch(session, batch_id)
         rows = session.execute(select(Item.id, Item.params).where(
             Item.batch_id == batch_id, Item.status == Status.FAILED.value)).all()
         session.execute(update(Item).where(Item.id.in_([row.id for row in rows]))
@@ -131,10 +131,3 @@ def retry_failed(engine: Engine, connection: redis.Redis, batch_id: int) -> int:
         enqueue_items(connection, queue_name(target), database_id(engine),
                       [(row.id, row.params["max_tokens"]) for row in rows])
     return len(rows)
-
-
-def _batch(session, batch_id: int) -> Batch:
-    batch = session.get(Batch, batch_id)
-    if batch is None:
-        raise PolspecError(f"no batch {batch_id} (polspec status lists the batches)")
-    return batch

@@ -13,6 +13,7 @@ from typing import Any
 
 from sqlalchemy import Engine, func, select, text
 from sqlalchemy.exc import DBAPIError
+from sqlalchemy.orm import Session
 
 from polspec.errors import PolspecError
 from polspec.store.engine import session_scope
@@ -76,6 +77,20 @@ class BatchProgress:
                 "aggregate_tokens_per_s": self.aggregate_tokens_per_s, "eta_s": self.eta_s}
 
 
+def find_batch(session: Session, batch_id: int) -> Batch:
+    """The batch ``batch_id``, or a :class:`PolspecError` saying there is none."""
+    batch = session.get(Batch, batch_id)
+    if batch is None:
+        raise PolspecError(f"no batch {batch_id} (polspec status lists the batches)")
+    return batch
+
+
+def require_batch(engine: Engine, batch_id: int) -> None:
+    """Refuse an unknown batch id before a command reads or changes anything of it."""
+    with session_scope(engine) as session:
+        find_batch(session, batch_id)
+
+
 def batch_progress(engine: Engine, batch_id: int | None = None) -> list[BatchProgress]:
     """Progress of one batch, or of every batch (newest first)."""
     with session_scope(engine) as session:
@@ -86,7 +101,7 @@ def batch_progress(engine: Engine, batch_id: int | None = None) -> list[BatchPro
                                            batch.spec.get("draft"), batch.created_at)
                    for batch in session.scalars(query)}
         if batch_id is not None and not batches:
-            raise PolspecError(f"no batch {batch_id} (polspec status lists the batches)")
+            find_batch(session, batch_id)
         ids = list(batches)
         for batch, status, count in session.execute(
                 select(Item.batch_id, Item.status, func.count()).where(Item.batch_id.in_(ids))
@@ -160,8 +175,7 @@ def item_detail(engine: Engine, batch_id: int, key: str) -> dict[str, Any]:
     with session_scope(engine) as session:
         item = session.scalar(select(Item).where(Item.batch_id == batch_id, Item.item_key == key))
         if item is None:
-            if session.get(Batch, batch_id) is None:
-                raise PolspecError(f"no batch {batch_id} (polspec status lists the batches)")
+            find_batch(session, batch_id)
             raise PolspecError(f"batch {batch_id} has no item {key!r}")
         result = item.result
         detail = {"batch": batch_id, "id": item.item_key, "status": item.status, "prompt": item.prompt,
