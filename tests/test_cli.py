@@ -132,6 +132,16 @@ def test_generate_bad_input(args, message):
     assert code == 1 and output.startswith(message) and output.count("\n") == 1
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--show-accepted"], "Error: --show-accepted marks text taken from the draft; give a --draft"),
+    (["--show-accepted", "--draft", "smollm2-135m", "--json"], "Error: --show-accepted marks the printed text; "
+     "with --json the spans say which tokens came from the draft"),
+])
+def test_generate_refuses_options_it_would_ignore(args, message):
+    code, output = invoke("generate", "x", *args)
+    assert code == 2 and output.splitlines()[-1] == message
+
+
 def test_tables_print_whole_when_the_output_is_not_a_terminal(monkeypatch):
     from polspec.cli.console import REDIRECTED_WIDTH, output_console
 

@@ -158,6 +158,17 @@ def test_cancel_drops_queued_items_and_their_jobs(env, tmp_path):
     assert {item.status for item, _ in results_by_key(env).values()} == {"cancelled"}
     code, output = cli(env, "recover")
     assert "nothing to recover" in output
+    code, output = cli(env, "retry", str(batch), "--failed")
+    assert code == 0 and "has no failed items" in output
+    assert json.loads(cli(env, "status", str(batch), "--json")[1])["status"] == "cancelled"
+
+    code, output = cli(env, "retry", str(batch), "--cancelled")  # resume the cancelled batch
+    assert code == 0 and "4 cancelled items queued again" in output
+    assert queue.count == 4
+    assert json.loads(cli(env, "status", str(batch), "--json")[1])["status"] == "running"
+    assert work(env)
+    assert {item.status for item, result in results_by_key(env).values() if result} == {"done"}
+    assert json.loads(cli(env, "status", str(batch), "--json")[1])["status"] == "done"
 
 
 def test_recover_leaves_an_item_claimed_after_it_read_it(env):

@@ -7,6 +7,8 @@ import json
 import os
 import platform
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -30,7 +32,7 @@ def batch(sqlite_env: dict[str, str]) -> int:
 
 def test_an_unknown_batch_is_an_error_for_every_command_that_takes_one(sqlite_env, batch):
     for args in (["results", "list", "--batch", "99"], ["results", "show", "99", "q1"], ["recover", "--batch", "99"],
-                 ["results", "export", "99"], ["status", "99"]):
+                 ["results", "export", "99"], ["status", "99"], ["retry", "99", "--failed"]):
         code, output = cli(sqlite_env, *args)
         assert code == 1 and output == "polspec: error: no batch 99 (polspec status lists the batches)\n", args
     code, output = cli(sqlite_env, "results", "show", str(batch), "nosuch")
@@ -122,3 +124,20 @@ def test_show_cuts_a_long_prompt_short_and_json_keeps_it_whole(sqlite_env, tmp_p
     code, output = cli(sqlite_env, "results", "show", str(batch), "long")
     assert code == 0 and f"prompt: {long_prompt[:400]}... (2,300 characters; --json gives it whole)" in output
     assert json.loads(cli(sqlite_env, "results", "show", str(batch), "long", "--json")[1])["prompt"] == long_prompt
+
+
+def test_retry_says_which_items_it_queues_again(sqlite_env, batch):
+    code, output = cli(sqlite_env, "retry", str(batch))
+    assert code == 2 and "say which items to queue again: --failed, --cancelled or both" in output
+    code, output = cli(sqlite_env, "retry", str(batch), "--failed", "--cancelled")
+    assert code == 0 and output == f"batch {batch} has no failed or cancelled items\n"
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="no /dev/full on this system")
+@pytest.mark.parametrize("args", [["--help"], ["results", "list"]])
+def test_a_full_stdout_is_one_line_and_a_failure(sqlite_env, batch, args):
+    with open("/dev/full", "w") as full:
+        result = subprocess.run([sys.executable, "-c", f"from polspec.cli import main; main({args!r})"],
+                                stdout=full, stderr=subprocess.PIPE, text=True, env={**os.environ, **sqlite_env})
+    assert result.returncode == 1
+    assert result.stderr == "polspec: error: cannot write the output: No space left on device\n"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import os
 import sys
 
 import click
@@ -15,7 +17,8 @@ class PolspecGroup(click.Group):
     """A click group that turns :class:`PolspecError` into one line on stderr and exit code 1.
 
     A missing MLX backend surfaces wherever ``mlx.core`` is first imported; it becomes the
-    same one-line hint as :func:`polspec.backend.setup` gives.
+    same one-line hint as :func:`polspec.backend.setup` gives. A full disk or a failing device
+    under stdout (``> /dev/full``) is one line too; click already quiets a closed pipe (``| head``).
     """
 
     def invoke(self, ctx: click.Context):
@@ -29,6 +32,21 @@ class PolspecGroup(click.Group):
                 raise
             click.echo(f"polspec: error: {INSTALL_HINT} ({error})", err=True)
             sys.exit(1)
+
+    def main(self, *args, **kwargs):
+        try:
+            return super().main(*args, **kwargs)
+        except OSError as error:  # raised outside invoke too: --help writes while parsing
+            if error.errno not in _CANNOT_WRITE:
+                raise
+            # What stdout still buffers would fail again at exit, as a second traceback.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            where = f" {error.filename}" if error.filename else " the output"
+            click.echo(f"polspec: error: cannot write{where}: {error.strerror}", err=True)
+            sys.exit(1)
+
+
+_CANNOT_WRITE = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EFBIG}
 
 
 @click.group(cls=PolspecGroup, context_settings={"help_option_names": ["-h", "--help"]})

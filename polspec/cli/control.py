@@ -55,7 +55,7 @@ def recover(batch_id: int | None) -> None:
 def cancel(batch_id: int) -> None:
     """Cancel a batch: queued items are dropped, running ones stop after their current round.
 
-    Finished results are kept. `polspec retry BATCH --failed` does not bring cancelled items back.
+    Finished results are kept; `polspec retry BATCH --cancelled` queues the cancelled items again.
 
     \b
     Example:
@@ -70,16 +70,26 @@ def cancel(batch_id: int) -> None:
 
 @click.command()
 @click.argument("batch_id", type=int)
-@click.option("--failed", is_flag=True, required=True, help="Queue the batch's failed items again.")
-def retry(batch_id: int, failed: bool) -> None:
-    """Queue a batch's failed items again (polspec results list --status failed shows why they failed).
+@click.option("--failed", is_flag=True, help="Queue the batch's failed items again.")
+@click.option("--cancelled", is_flag=True, help="Queue the batch's cancelled items again: resume a cancelled batch.")
+def retry(batch_id: int, failed: bool, cancelled: bool) -> None:
+    """Queue a batch's failed or cancelled items again; say which with --failed, --cancelled or both.
+
+    `polspec results list --batch BATCH --status failed` shows why items failed. Finished results
+    are kept.
 
     \b
-    Example:
+    Examples:
       polspec retry 3 --failed
+      polspec retry 3 --cancelled          resume a batch stopped with polspec cancel 3
     """
-    from polspec.jobs.control import retry_failed
+    from polspec.jobs.control import retry as retry_items
+    from polspec.store.schema import Status
 
+    statuses = (Status.FAILED,) * failed + (Status.CANCELLED,) * cancelled
+    if not statuses:
+        raise click.UsageError("say which items to queue again: --failed, --cancelled or both")
+    which = " or ".join(status.value for status in statuses)
     with _connections() as (engine, connection):
-        count = retry_failed(engine, connection, batch_id)
-    click.echo(f"batch {batch_id}: {count} failed items queued again" if count else f"batch {batch_id} has no failed items")
+        count = retry_items(engine, connection, batch_id, statuses)
+    click.echo(f"batch {batch_id}: {count} {which} items queued again" if count else f"batch {batch_id} has no {which} items")

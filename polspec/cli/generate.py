@@ -62,6 +62,11 @@ def generate(prompt: str, target: str, draft: str, raw: bool, show_accepted: boo
     from polspec.models.loader import load_model
     from polspec.models.registry import load_registry
 
+    if show_accepted and draft == "none":
+        raise click.UsageError("--show-accepted marks text taken from the draft; give a --draft")
+    if show_accepted and as_json:
+        raise click.UsageError("--show-accepted marks the printed text; with --json the spans say which "
+                               "tokens came from the draft")
     params = decoding_params(options)
     check_prompt(prompt)  # before the models load: an empty prompt or a mistyped alias is told at once
     registry = load_registry()

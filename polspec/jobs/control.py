@@ -25,7 +25,7 @@ from sqlalchemy import Engine, select, update
 
 from polspec.jobs.queue import JOB_FUNCTION, delete_jobs, enqueue_items, fetch_jobs, job_id, make_queue, queue_name
 from polspec.store.engine import session_scope
-from polspec.store.items import DEFAULT_LEASE_S, Worker, database_id, owner_gone
+from polspec.store.items import DEFAULT_LEASE_S, Worker, database_id, owner_gone, reopen_items
 from polspec.store.queries import find_batch
 from polspec.store.schema import Batch, Item, Status, utcnow
 
@@ -116,18 +116,13 @@ def cancel(engine: Engine, connection: redis.Redis | None, batch_id: int) -> int
     return len(ids)
 
 
-def retry_failed(engine: Engine, connection: redis.Redis, batch_id: int) -> int:
-    """Queue a batch's failed items again (a cancelled batch is reopened for them)."""
+def retry(engine: Engine, connection: redis.Redis, batch_id: int, statuses: tuple[Status, ...]) -> int:
+    """Queue a batch's items of these statuses (failed, cancelled) again; a cancelled batch is
+    reopened for them. Returns how many were queued."""
     with session_scope(engine) as session:
         batch = find_batch(session, batch_id)
-        rows = session.execute(select(Item.id, Item.params).where(
-            Item.batch_id == batch_id, Item.status == Status.FAILED.value)).all()
-        session.execute(update(Item).where(Item.id.in_([row.id for row in rows]))
-                        .values(status=Status.QUEUED.value, finished_at=None))
-        if rows:
-            batch.status = Status.QUEUED.value
+        items = reopen_items(session, batch, statuses)
         target = batch.spec["target"]
-    if rows:
-        enqueue_items(connection, queue_name(target), database_id(engine),
-                      [(row.id, row.params["max_tokens"]) for row in rows])
-    return len(rows)
+    if items:
+        enqueue_items(connection, queue_name(target), database_id(engine), items)
+    return len(items)

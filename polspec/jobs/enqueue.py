@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import redis
-from sqlalchemy import Engine, delete, func, select, update
+from sqlalchemy import Engine, delete, func, select
 from sqlalchemy.orm import Session
 
 from polspec.errors import PolspecError
@@ -21,7 +21,7 @@ from polspec.jobs.spec import GenerateSpec, ItemInput, check_models
 from polspec.jobs.sweep import SweepPlan
 from polspec.settings import redis_url
 from polspec.store.engine import session_scope
-from polspec.store.items import UNFINISHED, database_id, settle_batch
+from polspec.store.items import UNFINISHED, database_id, reopen_items, settle_batch
 from polspec.store.migrate import upgraded_database
 from polspec.store.schema import Batch, Cell, Item, Status
 
@@ -137,10 +137,8 @@ def enqueue_sweep(plan: SweepPlan, *, db_url: str | None = None, queue_url: str 
                 if batch.kind != "sweep" or batch.spec.get("config") != plan.config:
                     raise PolspecError(f"a batch named {plan.name!r} (id {batch.id}) exists with another "
                                        "configuration; give the sweep another name")
-                session.execute(update(Item).where(Item.batch_id == batch.id,
-                                                   Item.status.in_([Status.FAILED.value, Status.CANCELLED.value]))
-                                .values(status=Status.QUEUED.value, finished_at=None))
-                batch.status = Status.RUNNING.value  # no longer cancelled: settle_batch judges it by its items
+                reopen_items(session, batch, (Status.FAILED, Status.CANCELLED))
+                batch.status = Status.RUNNING.value  # reopened even with nothing to rerun: judged by its items
                 settle_batch(session, batch)
                 batch_id = batch.id
             else:

@@ -199,6 +199,19 @@ def _locked_item(session: Session, item_id: int) -> Item | None:
     return session.scalar(select(Item).where(Item.id == item_id).with_for_update())
 
 
+def reopen_items(session: Session, batch: Batch, statuses: tuple[Status, ...]) -> list[tuple[int, int]]:
+    """Mark a batch's items of these statuses queued again, reopening the batch (cancelled or
+    finished) when there are any; returns them as (item id, max_tokens) for their jobs."""
+    rows = session.execute(select(Item.id, Item.params).where(
+        Item.batch_id == batch.id, Item.status.in_([status.value for status in statuses]))).all()
+    if rows:
+        session.execute(update(Item).where(Item.id.in_([row.id for row in rows]))
+                        .values(status=Status.QUEUED.value, finished_at=None))
+        batch.status = Status.RUNNING.value  # no longer cancelled: settle_batch judges it by its items
+        settle_batch(session, batch)
+    return [(row.id, row.params["max_tokens"]) for row in rows]
+
+
 def settle_batch(session: Session, batch: Batch) -> None:
     """Mark the batch done (or failed) once no item of it is queued or running."""
     session.flush()
