@@ -332,7 +332,8 @@ def bench_forwards(alias: str, repeats: int) -> dict:
 
 def child_load(alias: str) -> dict:
     """In a child: seconds for ``load_model`` of an already imported model, nothing memoised."""
-    from polspec.models.loader import cached_path, load_model
+    from polspec.models.files import cached_path
+    from polspec.models.loader import load_model
     from polspec.models.registry import load_registry
 
     if cached_path(load_registry().model(alias)) is None:
@@ -356,7 +357,7 @@ def bench_cached_load(alias: str, runs: int) -> dict[str, list[float]]:
 def gguf_blob(alias: str) -> tuple[Path, str] | None:
     """The cached GGUF file behind ``alias`` and its sha256, or None for non-GGUF sources."""
     from polspec.models.fetch import blob_sha256, cached_blob
-    from polspec.models.loader import file_sha256
+    from polspec.models.files import file_sha256
     from polspec.models.registry import load_registry
     from polspec.models.sources import GgufSource, WheelSource, parse_source
 

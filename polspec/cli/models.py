@@ -32,7 +32,7 @@ def models() -> None:
 
 
 def _entry_row(entry: ModelEntry | TokenizerEntry) -> dict:
-    from polspec.models.loader import cached_path
+    from polspec.models.files import cached_path
     from polspec.models.tokenizers import cached_tokenizer_file
 
     if isinstance(entry, ModelEntry):
@@ -79,7 +79,7 @@ def list_models(as_json: bool) -> None:
 @click.argument("aliases", nargs=-1, required=True)
 def fetch(aliases: tuple[str, ...]) -> None:
     """Download and import ALIASES so they load offline (e.g. gemma3-270m)."""
-    from polspec.models.loader import fetch_model
+    from polspec.models.files import fetch_model
     from polspec.models.tokenizers import fetch_tokenizer_file
 
     registry = load_registry()
@@ -106,7 +106,7 @@ def import_(path: Path, name: str, tokenizer_family: str | None) -> None:
     Example:
       polspec models import ~/Pobrane/Bielik-1.5B-v3.0-Instruct.Q8_0.gguf --name bielik-1.5b
     """
-    from polspec.models.loader import import_gguf_file
+    from polspec.models.files import import_gguf_file
     from polspec.models.registry import ALIAS_PATTERN, add_user_model
 
     if not re.fullmatch(ALIAS_PATTERN, name):

@@ -63,21 +63,26 @@ def encode_prompt(model: LoadedModel, prompt: Prompt, chat: bool) -> list[int]:
     Each model renders the request with its own template, so the draft never sees the
     target's special tokens as text.
     """
-    alias = model.entry.alias
+    return encode_with(model.entry, model.tokenizer, prompt, chat)
+
+
+def encode_with(entry: ModelEntry, tokenizer, prompt: Prompt, chat: bool) -> list[int]:
+    """:func:`encode_prompt` with the tokenizer alone, as enqueue has it (no weights loaded)."""
+    alias = entry.alias
     if chat:
-        if not model.entry.chat_template:
+        if not entry.chat_template:
             raise PolspecError(f"{alias} has no chat template; run in raw mode (--raw) or choose another model")
-        if not getattr(model.tokenizer, "chat_template", None):
+        if not getattr(tokenizer, "chat_template", None):
             raise PolspecError(f"{alias} is registered with a chat template but its tokenizer has none: "
                                "set chat_template = false for it in models.toml, or run in raw mode (--raw)")
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         try:
-            return list(model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
+            return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
         except Exception as error:  # the template's own checks (role order, ...) raise jinja errors
             raise PolspecError(f"{alias}'s chat template refused the messages: {error}") from None
     if not isinstance(prompt, str):
         raise PolspecError("raw mode continues a text; messages need chat mode")
-    return model.tokenizer.encode(prompt)
+    return tokenizer.encode(prompt)
 
 
 def encode_request(
@@ -90,13 +95,18 @@ def encode_request(
     check_prompt(prompt)
     chat = chat_mode(target.entry, chat)
     target_ids = encode_prompt(target, prompt, chat)
-    limit = target.context_length
-    if limit and len(target_ids) + params.max_tokens > limit:
-        raise PolspecError(
-            f"the prompt has {len(target_ids)} tokens and {params.max_tokens} more were asked for, "
-            f"but {target.entry.alias} takes at most {limit}"
-        )
+    reason = too_long(target.entry, len(target_ids), params.max_tokens, target.context_length)
+    if reason:
+        raise PolspecError(reason)
     return target_ids, encode_prompt(draft, prompt, chat) if draft is not None else None
+
+
+def too_long(target: ModelEntry, prompt_tokens: int, max_tokens: int, limit: int | None) -> str | None:
+    """Why a prompt of ``prompt_tokens`` plus ``max_tokens`` more does not fit the target, or None."""
+    if limit and prompt_tokens + max_tokens > limit:
+        return (f"the prompt has {prompt_tokens} tokens and {max_tokens} more were asked for, "
+                f"but {target.alias} takes at most {limit}")
+    return None
 
 
 def draft_cannot_take(draft: LoadedModel, draft_ids: list[int], params: DecodingParams) -> str | None:

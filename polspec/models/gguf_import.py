@@ -33,8 +33,8 @@ from mlx.utils import tree_flatten
 
 from polspec.errors import PolspecError
 from polspec.models.fetch import ProgressFn, no_progress
+from polspec.models.files import IMPORT_FORMAT
 
-IMPORT_FORMAT = 1
 SHARD_BYTES = 2 << 30
 
 # GGUF architecture -> mlx-lm model type

