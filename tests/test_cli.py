@@ -126,6 +126,7 @@ def test_generate_streams_greedy_polish_and_reports_json(gemma3):
     # The draft is checked before the target loads (this test has no models to load).
     (["generate", "x", "--target", "gemma3-270m", "--draft", "smollm"], "polspec: error: unknown model alias 'smollm'"),
     (["generate", "x", "--temperature", "0.7", "--seed", "-3"], "polspec: error: --seed must be between 0 and"),
+    (["generate", "x", "--draft", "tok:llama3"], "polspec: error: tok:llama3 is a tokenizer alone, not a model that can run"),
 ])
 def test_generate_bad_input(args, message):
     code, output = invoke(*args)

@@ -248,7 +248,10 @@ def test_an_unreadable_probe_counts_as_never_measured(stored, isolated_home, cap
 def test_probe_measures_real_models_and_is_stored(gemma3, smollm2, home_with_models):
     # What the probe measures is timing, which a shared VM makes noisy: this checks what it
     # records and how, not how the times compare (BENCHMARKS.md has those, side by side).
-    measured = measure_probe(gemma3, smollm2, repeats=3, context=16, batch_sizes=(1, 4))
+    stages: list[str] = []
+    measured = measure_probe(gemma3, smollm2, repeats=3, context=16, batch_sizes=(1, 4), stage=stages.append)
+    assert stages == ["target forwards over 1-9 tokens", "draft step", "both models at batch size 1",
+                      "both models at batch size 4", "a draft round"]
     assert measured.rho[0] == 1.0 and len(measured.rho) == 9 and all(0 < rho < math.inf for rho in measured.rho)
     assert [cost.size for cost in measured.batch] == [1, 4]
     four = measured.batch[1]

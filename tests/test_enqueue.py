@@ -208,7 +208,7 @@ def test_messages_need_a_chat_template(env, tmp_path):
     code, output = invoke(env, "--input", str(source), "--target", "gemma3-270m")
     assert code == 1 and f"{source}:2: item 'b' has messages, but gemma3-270m has no chat template" in output
     code, output = invoke(env, "--input", str(source), "--target", "smollm2-135m", "--raw")
-    assert code == 1 and "item 'b' has messages, but --raw was given" in output
+    assert code == 1 and "item 'b' has messages, but --raw asks for raw text" in output
     assert counts(env) == (0, 0, 0)
 
 

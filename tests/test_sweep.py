@@ -160,7 +160,7 @@ def test_temperature_and_temperatures_together_is_one_line(tmp_path):
     ({"drafts": [["smollm2-135m"]]}, "test.toml: 'drafts' must list model aliases (text), got"),
     ({"name": 5}, "test.toml: 'name' must be text, got 5"),
     ({"seeds": [-1]}, "test.toml: seed must be between 0 and"),
-    ({"target": "qwen2.5-coder-1.5b", "drafts": ["gemma3-270m"], "raw": False}, "draft gemma3-270m has no chat template"),
+    ({"target": "qwen2.5-coder-1.5b", "drafts": ["gemma3-270m"], "raw": False}, "test.toml: draft gemma3-270m has no chat template but qwen2.5-coder-1.5b runs in chat mode: add raw = true"),
     ({"repeats": 0}, "'repeats' must be a whole number of at least 1"),
     ({"repeats": True}, "test.toml: 'repeats' must be a whole number of at least 1, got True"),
     ({"k": [2, 2]}, "'k' lists a value twice"),

@@ -11,7 +11,7 @@ DEMO_DATASET = "pl-wiki"
 @click.command()
 @click.option("--limit", default=8, show_default=True, type=click.IntRange(1), help="Prompts from the dataset.")
 @click.option("--max-tokens", default=32, show_default=True, type=click.IntRange(1), help="Tokens per prompt.")
-@click.option("--batch", default=8, show_default=True, type=click.IntRange(1),
+@click.option("--batch", default=8, show_default=True, type=click.IntRange(2),
               help="Items the bulk worker decodes together.")
 def demo(limit: int, max_tokens: int, batch: int) -> None:
     """Fetch the offline model, run a small bulk job batched and one at a time, compare.

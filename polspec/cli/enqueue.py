@@ -35,12 +35,12 @@ def generate(input_path: str | None, dataset: str | None, limit: int | None, nam
 
     Every line is checked before anything is written: a bad line is reported with its file and
     line number and nothing is queued. A line may set its own max_tokens, k, strategy, prefix,
-    partial_word, temperature, top_p, top_k or seed.
+    partial_word, temperature, top_p, top_k, seed, draft_vocab or verify.
 
     \b
     Examples:
       polspec enqueue generate --dataset pl-short --limit 12 --draft smollm2-135m
-      polspec enqueue generate --input prompts.jsonl --target qwen2.5-coder-1.5b --draft gemma3-270m --name run1
+      polspec enqueue generate --input prompts.jsonl --target qwen2.5-coder-1.5b --draft smollm2-135m --name run1
       cat prompts.jsonl | polspec enqueue generate --input - --json
     """
     from polspec.jobs.enqueue import enqueue_generate
@@ -81,7 +81,7 @@ def _read_lines(path: str) -> list[bytes]:
 @enqueue.command("sweep")
 @click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False, path_type=Path),
               help="The sweep file (TOML); examples/sweep-offline.toml is one to start from.")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object: batch, name, cells, items, enqueued.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object: batch, name, queue, cells, items, enqueued, done, resumed.")
 def sweep(config_path: Path, as_json: bool) -> None:
     """Queue an evaluation sweep: every draft, strategy, k and prefix on every dataset, plus a
     target-only baseline per dataset, interleaved prompt by prompt so machine drift hits all alike.

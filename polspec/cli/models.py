@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from pathlib import Path
@@ -104,7 +105,7 @@ def import_(path: Path, name: str, tokenizer_family: str | None) -> None:
 
     \b
     Example:
-      polspec models import ~/Pobrane/Bielik-1.5B-v3.0-Instruct.Q8_0.gguf --name bielik-1.5b
+      polspec models import ~/Pobrane/Bielik-1.5B-v3.0-Instruct.Q8_0.gguf --name bielik-1.5b-q8
     """
     from polspec.models.files import import_gguf_file
     from polspec.models.registry import ALIAS_PATTERN, add_user_model
@@ -162,7 +163,7 @@ def show(alias: str, as_json: bool) -> None:
 @models.command()
 @click.argument("target")
 @click.argument("draft")
-@click.option("--repeats", default=9, show_default=True, type=click.IntRange(1), help="Timed forwards per size.")
+@click.option("--repeats", default=9, show_default=True, type=click.IntRange(1), help="Timed forwards per size (the batch table takes a third of them, at least 3).")
 @click.option("--json", "as_json", is_flag=True, help="Print the probe as one JSON object.")
 def probe(target: str, draft: str, repeats: int, as_json: bool) -> None:
     """Measure what speculation costs for TARGET with DRAFT on this machine, and store it.
@@ -180,7 +181,7 @@ def probe(target: str, draft: str, repeats: int, as_json: bool) -> None:
     Example:
       polspec models probe qwen2.5-coder-1.5b gemma3-270m
     """
-    from polspec.decoding.costmodel import break_even_acceptance, predicted_speedup
+    from polspec.decoding.costmodel import BATCH_SIZES, break_even_acceptance, predicted_speedup
     from polspec.decoding.measure import measure_probe
     from polspec.decoding.probe_files import probe_path, save_probe
     from polspec.decoding.speculative_sampling import polish_coverage
@@ -188,7 +189,10 @@ def probe(target: str, draft: str, repeats: int, as_json: bool) -> None:
 
     with progress_bar("loading") as report:
         target_model, draft_model = load_model(target, progress=report), load_model(draft, progress=report)
-    result = measure_probe(target_model, draft_model, repeats=repeats)
+    with progress_bar("measuring") as report:
+        stages = itertools.count()
+        result = measure_probe(target_model, draft_model, repeats=repeats,
+                               stage=lambda what: report(what, next(stages), 3 + len(BATCH_SIZES)))
     save_probe(result)
     coverage = polish_coverage(target_model, draft_model)
     if as_json:

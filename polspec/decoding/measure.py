@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 
 from polspec import backend  # before mlx: the Linux BLAS fix
 
@@ -29,7 +30,8 @@ _TEXT = ("Kraków jest jednym z najstarszych miast w Polsce. Przez wieki był st
 
 
 def measure_probe(target: LoadedModel, draft: LoadedModel, repeats: int = 9, context: int = 64,
-                  batch_sizes: tuple[int, ...] = BATCH_SIZES, draft_vocab: int | str = "auto") -> Probe:
+                  batch_sizes: tuple[int, ...] = BATCH_SIZES, draft_vocab: int | str = "auto",
+                  stage: Callable[[str], None] = lambda _: None) -> Probe:
     """Measure c, d, rho(1..9), tau and the batch table for two loaded models on this machine.
 
     The draft runs the way it decodes: logits at the last position only, over the vocabulary
@@ -41,13 +43,16 @@ def measure_probe(target: LoadedModel, draft: LoadedModel, repeats: int = 9, con
     batch table times target forwards over B sequences x m positions (m in
     ``BATCH_POSITIONS``) and a draft step over B sequences for every B in ``batch_sizes``
     (a third of ``repeats``, at least 3: the large shapes dominate the probe's time).
-    PolspecError when ``repeats`` is below 1.
+    ``stage`` is told what is measured next, for a progress display. PolspecError when
+    ``repeats`` is below 1.
     """
     if repeats < 1:
         raise PolspecError(f"repeats must be at least 1, got {repeats}")
     head = draft_head(draft, draft_vocab)
+    stage(f"target forwards over 1-{RHO_SIZES} tokens")
     target_times = _forward_times(target, target.model, range(1, RHO_SIZES + 1), repeats, context)
     step = target_times[0]
+    stage("draft step")
     draft_step = _forward_times(draft, head, [1], repeats, context)[0]
 
     target_table, draft_table = token_bytes(target.tokenizer._tokenizer), token_bytes(draft.tokenizer._tokenizer)
@@ -60,12 +65,15 @@ def measure_probe(target: LoadedModel, draft: LoadedModel, repeats: int = 9, con
                                   target_ids[: max(1, start)], 5, 10)
         times.append(time.perf_counter() - clock)
     batch_repeats = max(3, repeats // 3)
-    batch = tuple(BatchCost(size, tuple(_batch_forward_times(target, target.model, size, BATCH_POSITIONS,
-                                                             batch_repeats, context)),
-                            _batch_forward_times(draft, head, size, [1], batch_repeats, context)[0])
-                  for size in batch_sizes)
+    batch = []
+    for size in batch_sizes:
+        stage(f"both models at batch size {size}")
+        batch.append(BatchCost(size, tuple(_batch_forward_times(target, target.model, size, BATCH_POSITIONS,
+                                                                batch_repeats, context)),
+                               _batch_forward_times(draft, head, size, [1], batch_repeats, context)[0]))
+    stage("a draft round")
     chosen = backend.setup()
-    return Probe(target.entry.alias, draft.entry.alias, c=draft_step / step, batch=batch,
+    return Probe(target.entry.alias, draft.entry.alias, c=draft_step / step, batch=tuple(batch),
                  rho=tuple(t / step for t in target_times), tau=statistics.median(times) / step,
                  draft_overhead=max(0.0, _draft_round_time(draft, head, draft_ids, repeats) - draft_step) / step,
                  target_step_s=step, draft_step_s=draft_step, draft_vocab=head.size,

@@ -23,6 +23,7 @@ import redis
 from rq.job import JobStatus
 from sqlalchemy import Engine, select, update
 
+from polspec.errors import PolspecError
 from polspec.jobs.queue import JOB_FUNCTION, delete_jobs, enqueue_items, fetch_jobs, job_id, make_queue, queue_name
 from polspec.store.engine import session_scope
 from polspec.store.items import DEFAULT_LEASE_S, Worker, database_id, owner_gone, reopen_items
@@ -102,9 +103,12 @@ def _requeue_abandoned(engine: Engine, item: Item) -> bool:
 
 def cancel(engine: Engine, connection: redis.Redis | None, batch_id: int) -> int:
     """Cancel a batch: its queued items are cancelled and their jobs removed; running ones stop
-    at their next round (the worker checks). Returns the number of items cancelled now."""
+    at their next round (the worker checks). Returns the number of items cancelled now. A
+    finished batch is refused: marking it cancelled would only hide that it finished."""
     with session_scope(engine) as session:
         batch = find_batch(session, batch_id)
+        if batch.status in (Status.DONE.value, Status.FAILED.value):
+            raise PolspecError(f"batch {batch_id} has finished ({batch.status}); there is nothing to cancel")
         batch.status = Status.CANCELLED.value
         ids = list(session.scalars(select(Item.id).where(Item.batch_id == batch_id,
                                                          Item.status == Status.QUEUED.value)))

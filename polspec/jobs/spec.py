@@ -66,23 +66,24 @@ class ItemInput:
         return DecodingParams(**(base.as_dict() | self.overrides))
 
 
-def check_models(spec: GenerateSpec, items: list[ItemInput]) -> None:
+def check_models(spec: GenerateSpec, items: list[ItemInput], raw_option: str = "--raw") -> None:
     """Refuse, before anything is queued, what would fail on the worker for every item alike:
     an alias the registry does not know (with close matches), messages for a model with no chat
     template, or chat mode for a draft with no chat template; and what would fail for one item,
-    a prompt the target cannot take (:func:`check_items_fit`)."""
+    a prompt the target cannot take (:func:`check_items_fit`). ``raw_option`` is how the user
+    asks for raw text where the check is made (a sweep file says ``raw = true``)."""
     registry = load_registry()
     target = registry.model(spec.target)
     draft = registry.model(spec.draft) if spec.draft is not None else None
     chat = chat_mode(target, spec.chat)
     with_messages = next((item for item in items if item.messages is not None), None)
     if with_messages is not None and not chat:
-        reason = "--raw was given" if spec.chat is False else f"{target.alias} has no chat template"
+        reason = f"{raw_option} asks for raw text" if spec.chat is False else f"{target.alias} has no chat template"
         raise PolspecError(f"{with_messages.where or spec.source}: item {with_messages.key!r} has messages, "
                            f"but {reason}; give it a 'prompt'")
     if chat and draft is not None and not draft.chat_template:
         raise PolspecError(f"draft {draft.alias} has no chat template but {target.alias} runs in chat mode: "
-                           "add --raw, or choose a draft with a chat template")
+                           f"add {raw_option}, or choose a draft with a chat template")
     check_items_fit(target, items, spec.params, chat)
 
 

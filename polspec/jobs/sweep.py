@@ -138,8 +138,11 @@ def expand_sweep(config: dict[str, Any], source: str) -> SweepPlan:
     except PolspecError as error:
         raise PolspecError(f"{source}: 'datasets': {error}") from None
     for draft in [None, *grid["drafts"]]:
-        check_models(GenerateSpec(spec.target, draft, base, spec.chat, source),
-                     [item for items in prompts.values() for item in items])
+        try:
+            check_models(GenerateSpec(spec.target, draft, base, spec.chat, source),
+                         [item for items in prompts.values() for item in items], raw_option="raw = true")
+        except PolspecError as error:
+            raise PolspecError(f"{source}: {error}") from None
 
     plan = SweepPlan(config.get("name") or _default_name(config), spec, dict(config))
     per_dataset: dict[str, list[CellPlan]] = {}

@@ -68,6 +68,8 @@ class Registry:
         """The model entry for ``alias``; an unknown alias lists the close matches."""
         if alias in self.models:
             return self.models[alias]
+        if alias in self.tokenizers:
+            raise PolspecError(f"{alias} is a tokenizer alone, not a model that can run")
         raise PolspecError(_unknown("model", alias, list(self.models)))
 
     def tokenizer(self, alias: str) -> TokenizerEntry:

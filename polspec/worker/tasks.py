@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import logging
 import time
 from datetime import UTC, datetime
 from typing import Any
@@ -41,6 +42,7 @@ from polspec.worker import context
 from polspec.worker.energy import EnergyReading, measure_energy
 
 PROGRESS_INTERVAL_S = 1.0
+log = logging.getLogger("polspec.worker")
 
 
 class Cancelled(Exception):
@@ -50,7 +52,13 @@ class Cancelled(Exception):
 def run_item(database_id: str, item_id: int) -> dict[str, Any]:
     """Generate item ``item_id`` of database ``database_id``; returns a short summary for RQ."""
     ctx = context.current()
-    check_database(ctx, database_id)
+    if database_id != ctx.database_id:
+        # The user's setup, not the item, is wrong: one line says so (a failed job's traceback
+        # would bury it), and the item stays queued in its own database for `polspec recover`.
+        reason = (f"job for database {database_id}, but this worker writes to {display_url(ctx.engine.url)} "
+                  f"(database {ctx.database_id}): run the worker with the enqueuer's POLSPEC_DB_URL")
+        log.error("skipped item %d: %s", item_id, reason)
+        return {"item": item_id, "skipped": reason}
     claim = claim_item(ctx.engine, item_id, ctx.me, ctx.lease_s)
     if isinstance(claim, str):
         return {"item": item_id, "skipped": claim}
@@ -75,12 +83,6 @@ def run_item(database_id: str, item_id: int) -> dict[str, Any]:
         mx.clear_cache()
     stored = finish_item(ctx.engine, item_id, ctx.me, result)
     return {"item": item_id, "stored": stored, "tokens": result.generated_tokens}
-
-
-def check_database(ctx: context.WorkerContext, database_id: str) -> None:
-    if database_id != ctx.database_id:
-        raise PolspecError(f"job for database {database_id}, but this worker writes to {display_url(ctx.engine.url)} "
-                           f"(database {ctx.database_id}): run the worker with the enqueuer's POLSPEC_DB_URL")
 
 
 def load_models(ctx: context.WorkerContext, spec: GenerateSpec) -> tuple[LoadedModel, LoadedModel | None]:
