@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from datetime import UTC, datetime, timedelta
 import signal
 import statistics
 
@@ -379,6 +380,31 @@ def test_a_sweep_stores_prompt_and_repeat_and_the_report_pairs_results_by_them(e
         factor = factor_of(row)
         assert row["prompts"] == 2
         assert (row["speedup"], row["speedup_low"], row["speedup_high"]) == pytest.approx((factor, factor, factor))
+
+
+def test_aggregate_throughput_counts_decoding_not_the_model_load(env, tmp_path):
+    sweep_file = tmp_path / "small.toml"
+    sweep_file.write_text(SMALL)
+    code, output = cli(env, "enqueue", "sweep", "--config", str(sweep_file), "--json")
+    # Items run one after another in the order queued, each decoding its 2 tokens in 1 s (the
+    # baseline) or 0.5 s; the first, a baseline item, loads the models for 5 s before that.
+    engine = make_engine(env["POLSPEC_DB_URL"])
+    clock = datetime(2026, 12, 5, 12, 0, 0, tzinfo=UTC)
+    with session_scope(engine) as session:
+        for index, (cell, item) in enumerate(session.execute(select(Cell, Item).join(Item.cell).order_by(Item.id))):
+            load_s = 5.0 if index == 0 else 0.0
+            assert cell.baseline == (index % 5 == 0)  # queued prompt by prompt, the baseline first
+            decode_s = 1.0 if cell.baseline else 0.5
+            item.started_at, item.finished_at = clock, clock + timedelta(seconds=load_s + decode_s)
+            clock = item.finished_at + timedelta(seconds=1)
+            result = hand_result(item.id, 2 / decode_s)
+            result.timings = {"model_load_s": load_s, "probe_s": 0.0}
+            session.add(result)
+            item.status = "done"
+    engine.dispose()
+    report = json.loads(cli(env, "report", str(json.loads(output)["batch"]), "--format", "json")[1].splitlines()[0])
+    assert [row["aggregate_tokens_per_s"] for row in report["rows"]] == pytest.approx([4.0] * 4)
+    assert [row["aggregate_speedup"] for row in report["rows"]] == pytest.approx([2.0] * 4)
 
 
 def factor_of(config: dict) -> float:

@@ -32,6 +32,7 @@ import math
 import statistics
 from collections import defaultdict
 from dataclasses import asdict, dataclass
+from datetime import datetime, timedelta
 from typing import Any, NamedTuple
 
 from sqlalchemy import Engine, func, select
@@ -220,7 +221,7 @@ def sweep_report(engine: Engine, batch_id: int) -> SweepReport:
                        batch_size, temperature, config["verify"])
                if not cell.baseline else (config["dataset"], None, batch_size, temperature))
         if item.started_at is not None and item.finished_at is not None:
-            spans[key].append((item.started_at, item.finished_at, result.generated_tokens))
+            spans[key].append((_decoding_start(item, result), item.finished_at, result.generated_tokens))
         if cell.baseline:
             baseline[pair], baseline_runs[pair] = result.decode_tokens_per_s, run
         else:
@@ -242,6 +243,14 @@ def _sweep_params(spec: dict[str, Any]) -> dict[str, Any]:
     temperature grids or verification): the sweep's one value, else the default."""
     params = spec.get("params", {})
     return {"batch": 1, "temperature": params.get("temperature", 0.0), "verify": params.get("verify", "auto")}
+
+
+def _decoding_start(item: Item, result: Result) -> datetime:
+    """When the item began decoding: its claim, plus the models' load and the probe it waited
+    for. Only the first item of a run pays those (a sweep's first is a baseline item), and
+    counting them as decoding made its cell's throughput look several times slower."""
+    waited = result.timings.get("model_load_s", 0.0) + result.timings.get("probe_s", 0.0)
+    return min(item.started_at + timedelta(seconds=waited), item.finished_at)
 
 
 def _aggregate(spans: list[tuple[Any, Any, int]]) -> float | None:
