@@ -118,6 +118,13 @@ class PolspecWorker(SimpleWorker):
             beat.join()
             self.active.clear()
 
+    def request_force_stop(self, signum, frame) -> None:
+        # RQ ignores a second signal that comes within a second of the first: its worker pool
+        # sends duplicates. polspec runs no pool, and a quick double Ctrl+C means stop now.
+        # Jobs run in this process (no work horse to take down): stopping is leaving.
+        log.warning("stopping now: the items in flight stay running until a worker or recover requeues them")
+        raise SystemExit()
+
     def handle_warm_shutdown_request(self) -> None:
         # Said at warning level so that a user who pressed Ctrl+C sees it took, and what a
         # second one does.
