@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -175,6 +179,24 @@ def test_cancel_drops_queued_items_and_their_jobs(env, tmp_path):
     code, output = cli(env, "cancel", str(batch))
     assert code == 1 and f"batch {batch} has finished (done); there is nothing to cancel" in output
     assert json.loads(cli(env, "status", str(batch), "--json")[1])["status"] == "done"
+
+
+def test_status_watch_into_a_pipe_prints_each_change_as_it_comes(env):
+    cli(env, "enqueue", "generate", "--dataset", "pl-short", "--limit", "2", "--target", "smollm2-135m")
+    watch = subprocess.Popen([sys.executable, "-c", "from polspec.cli import main; main()", "status", "--watch",
+                              "--interval", "0.2"], env=os.environ | env, stdout=subprocess.PIPE, text=True)
+    deadline = threading.Timer(60, watch.kill)  # should the table never come, the test fails, not hangs
+    deadline.start()
+    seen = []
+    for line in watch.stdout:  # the first table arrives while the watch goes on, not at its end
+        seen.append(line)
+        if "queued" in line and "smollm2-135m" in line:
+            break
+    assert watch.poll() is None, "".join(seen)
+    assert cli(env, "cancel", "1")[0] == 0
+    rest, _ = watch.communicate(timeout=30)
+    deadline.cancel()
+    assert watch.returncode == 0 and "cancelled" in rest and rest.count("polspec batches") == 1
 
 
 def test_recover_leaves_an_item_claimed_after_it_read_it(env):

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
+from collections.abc import Iterator
 
 import click
 from rich.live import Live
@@ -33,7 +35,6 @@ def status(batch_id: int | None, watch: bool, interval: float, as_json: bool) ->
       polspec status 3 --watch
       polspec status --json | jq .done
     """
-    from polspec.store.items import UNFINISHED
     from polspec.store.migrate import upgraded_database
     from polspec.store.queries import batch_progress
 
@@ -47,11 +48,31 @@ def status(batch_id: int | None, watch: bool, interval: float, as_json: bool) ->
         if not watch:
             console.print(_table(batches))
             return
-        with Live(_table(batches), console=console, auto_refresh=False) as live:
-            while any(batch.status in UNFINISHED for batch in batches):
-                time.sleep(interval)
-                batches = batch_progress(engine, batch_id)
-                live.update(_table(batches), refresh=True)
+        if console.is_terminal:
+            with Live(_table(batches), console=console, auto_refresh=False) as live:
+                for batches in _refreshes(engine, batch_id, batches, interval):
+                    live.update(_table(batches), refresh=True)
+            return
+        # A pipe or a log (`| tee`, nohup): a table whenever something changed, out at once.
+        shown = None
+        for batches in itertools.chain([batches], _refreshes(engine, batch_id, batches, interval)):
+            seen = [(batch.id, batch.status, batch.counts) for batch in batches]
+            if seen != shown:
+                console.print(_table(batches))
+                console.file.flush()
+                shown = seen
+
+
+def _refreshes(engine, batch_id: int | None, batches: list[BatchProgress],
+               interval: float) -> Iterator[list[BatchProgress]]:
+    """The batches read again every ``interval`` seconds until none of them is unfinished."""
+    from polspec.store.items import UNFINISHED
+    from polspec.store.queries import batch_progress
+
+    while any(batch.status in UNFINISHED for batch in batches):
+        time.sleep(interval)
+        batches = batch_progress(engine, batch_id)
+        yield batches
 
 
 def _table(batches: list[BatchProgress]) -> Table | str:
