@@ -209,6 +209,7 @@ class BatchDecoder:
                 sequence.metrics.finish_reason = (
                     "stop" if stopped else "length" if len(sequence.committed) >= sequence.params.max_tokens
                     else "cancelled")
+                sequence.metrics.note_if_never_drafted(sequence.params.k)
             finished.append(done)
             events.append(SequenceEvent(sequence.key, Commit(new, drafted=min(accepted, len(new))) if new else None,
                                         done, sequence.metrics))

@@ -39,6 +39,13 @@ class DecodeMetrics:
     k_policy_note: str = ""  # why a generation with a draft decoded without it (auto's cost model, a long prompt)
     seed: int | None = None  # the sampler's seed when sampling (drawn when none was given): reruns it exactly
 
+    def note_if_never_drafted(self, k: int | str) -> None:
+        """Say why, when ``auto`` chose a plain target step for every round (a note already made,
+        such as a prompt too long for the draft, stands)."""
+        if k == "auto" and self.rounds and self.plain_rounds == self.rounds and not self.k_policy_note:
+            self.k_policy_note = ("auto: plain decoding every round: no k was expected to pay, at this machine's "
+                                  "costs and the acceptance seen")
+
     @property
     def acceptance_per_candidate(self) -> float | None:
         return self.candidates_accepted / self.candidates if self.candidates else None

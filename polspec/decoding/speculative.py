@@ -274,6 +274,7 @@ def generate_speculative(
             yield Commit(new, drafted=min(accepted, len(new)), state=state)
         if finished:
             metrics.finish_reason = "stop" if stopped else "length"
+            metrics.note_if_never_drafted(params.k)
             break
     metrics.decode_s = metrics.draft_s + metrics.translate_s + metrics.verify_s + metrics.resync_s
     metrics.peak_memory_gb = mx.get_peak_memory() / 1e9
