@@ -143,6 +143,12 @@ def test_generate_refuses_options_it_would_ignore(args, message):
     assert code == 2 and output.splitlines()[-1] == message
 
 
+def test_a_probe_of_fewer_than_three_repeats_is_called_noisy():
+    code, output = invoke("models", "probe", "gemma-270m", "smollm2-135m", "--repeats", "2")
+    assert output.startswith("note: 2 repeat(s) give noisy figures")  # said before anything loads
+    assert code == 1 and "unknown model alias 'gemma-270m'" in output
+
+
 def test_tables_print_whole_when_the_output_is_not_a_terminal(monkeypatch):
     from polspec.cli.console import REDIRECTED_WIDTH, output_console
 

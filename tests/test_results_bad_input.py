@@ -141,3 +141,13 @@ def test_a_full_stdout_is_one_line_and_a_failure(sqlite_env, batch, args):
                                 stdout=full, stderr=subprocess.PIPE, text=True, env={**os.environ, **sqlite_env})
     assert result.returncode == 1
     assert result.stderr == "polspec: error: cannot write the output: No space left on device\n"
+
+
+def test_a_cut_list_says_so_and_a_report_names_a_batch_that_is_no_sweep(sqlite_env, batch):
+    code, output = cli(sqlite_env, "results", "list", "--limit", "2", "--json")
+    assert code == 0 and output.count("\n") == 3 and "the first 2 items; --limit 0 shows all" in output
+    code, output = cli(sqlite_env, "results", "list", "--limit", "3", "--json")
+    assert code == 0 and output.count("\n") == 3 and "--limit 0" not in output
+    code, output = cli(sqlite_env, "report", str(batch))
+    assert code == 1 and output == (f"polspec: error: batch {batch} is a generate batch, not a sweep: "
+                                    f"polspec results list --batch {batch} shows its items\n")

@@ -340,6 +340,8 @@ def test_resuming_reopens_a_cancelled_sweep_and_keeps_a_finished_one_done(env, t
     code, output = cli(env, "enqueue", "sweep", "--config", str(sweep_file), "--json")
     assert code == 0 and json.loads(output)["enqueued"] == 10
     assert {item.status for _, item, _ in stored(env).values()} == {"queued"}
+    code, output = cli(env, "enqueue", "sweep", "--config", str(sweep_file))
+    assert code == 0 and "0 enqueued on polspec-gemma3-270m, 10 still queued or running, 0 already done" in output
     assert json.loads(cli(env, "status", str(batch), "--json")[1].splitlines()[0])["status"] == "running"
 
     engine = make_engine(env["POLSPEC_DB_URL"])
@@ -349,6 +351,9 @@ def test_resuming_reopens_a_cancelled_sweep_and_keeps_a_finished_one_done(env, t
     code, output = cli(env, "enqueue", "sweep", "--config", str(sweep_file), "--json")
     assert code == 0 and json.loads(output)["enqueued"] == 0
     assert json.loads(cli(env, "status", str(batch), "--json")[1].splitlines()[0])["status"] == "done"
+    code, output = cli(env, "enqueue", "sweep", "--config", str(sweep_file))
+    assert code == 0 and output.endswith(f"0 enqueued on polspec-gemma3-270m, 10 already done\n"
+                                         f"nothing left to run: polspec report {batch}\n")
 
 
 def test_a_sweep_stores_prompt_and_repeat_and_the_report_pairs_results_by_them(env, tmp_path):

@@ -104,6 +104,11 @@ def sweep(config_path: Path, as_json: bool) -> None:
                                "resumed": done.resumed}))
         return
     verb = "resumed" if done.resumed else "queued"
+    waiting = done.items - done.done - done.enqueued  # unfinished items that kept their job
     click.echo(f"sweep {done.batch_id} ({done.name}) {verb}: {done.cells} cells, {done.items} items, "
-               f"{done.enqueued} enqueued on {done.queue}, {done.done} already done")
-    click.echo(f"run them with: polspec worker --burst    then: polspec report {done.batch_id}")
+               f"{done.enqueued} enqueued on {done.queue}" + (f", {waiting} still queued or running" if waiting else "")
+               + f", {done.done} already done")
+    if done.done == done.items:
+        click.echo(f"nothing left to run: polspec report {done.batch_id}")
+    else:
+        click.echo(f"run them with: polspec worker --burst    then: polspec report {done.batch_id}")

@@ -187,6 +187,9 @@ def probe(target: str, draft: str, repeats: int, as_json: bool) -> None:
     from polspec.decoding.speculative_sampling import polish_coverage
     from polspec.models.loader import load_model
 
+    if repeats < 3:
+        click.echo(f"note: {repeats} repeat(s) give noisy figures, and --k auto and reports will use them; "
+                   "3 or more are steadier", err=True)
     with progress_bar("loading") as report:
         target_model, draft_model = load_model(target, progress=report), load_model(draft, progress=report)
     with progress_bar("measuring") as report:

@@ -45,7 +45,10 @@ def list_command(batch_id: int | None, status: str | None, limit: int, as_json: 
     with upgraded_database(create=False) as engine:
         if batch_id is not None:
             require_batch(engine, batch_id)  # an unknown batch is an error, not "no items match"
-        rows = list(item_rows(engine, batch_id, status, limit or None))
+        rows = list(item_rows(engine, batch_id, status, limit + 1 if limit else None))
+    if limit and len(rows) > limit:
+        rows = rows[:limit]
+        click.echo(f"the first {limit} items; --limit 0 shows all", err=True)
     if as_json:
         for row in rows:
             click.echo(json.dumps(row, ensure_ascii=False))
@@ -106,7 +109,7 @@ def show_command(batch_id: int, item_id: str, as_json: bool) -> None:
 def export_command(batch_id: int, fmt: str, output: Path | None) -> None:
     """Every item of a batch with its text and metrics, as CSV or JSONL (UTF-8).
 
-    CSV starts with a byte-order mark so that spreadsheets show Polish letters correctly;
+    A CSV file (--output) starts with a byte-order mark so that spreadsheets show Polish letters correctly;
     messages are a JSON string in their column. A file is written whole or not at all.
 
     \b

@@ -199,8 +199,11 @@ def sweep_report(engine: Engine, batch_id: int) -> SweepReport:
     """The report of sweep ``batch_id`` (see the module docstring for what each number means)."""
     with session_scope(engine) as session:
         batch = session.get(Batch, batch_id)
-        if batch is None or batch.kind != "sweep":
+        if batch is None:
             raise PolspecError(f"no sweep {batch_id} (polspec status lists batches and sweeps)")
+        if batch.kind != "sweep":
+            raise PolspecError(f"batch {batch_id} is a {batch.kind} batch, not a sweep: polspec results list "
+                               f"--batch {batch_id} shows its items")
         rows = session.execute(select(Cell, Item, Result).join(Item, Item.cell_id == Cell.id)
                                .join(Result, Result.item_id == Item.id).where(Cell.batch_id == batch_id)).all()
         name, target, status, spec = batch.name, batch.spec["target"], batch.status, batch.spec
