@@ -65,8 +65,10 @@ def test_aligned_candidates_are_a_prefix_of_the_proposal_in_whole_characters(tab
         assert complete_utf8(emitted) == emitted
         emitted.decode("utf-8")
         assert translation.held_back == len(proposed) - len(emitted)
+    # hold stops where verify goes on: a prefix of its text, not always of its tokens (Qwen2.5
+    # writes a proposal's "”\n" as one token where hold, leaving the newline, writes "”").
     verify, hold = translations["verify"], translations["hold"]
-    assert hold.candidates == verify.candidates[: len(hold.candidates)]
+    assert target.text(verify.candidates).startswith(target.text(hold.candidates))
 
 
 def test_bytes_the_cap_leaves_out_are_held_back(tables):
