@@ -227,6 +227,20 @@ def test_second_sigterm_stops_a_batch_at_once_and_its_items_run_again(env):
     assert [item.attempts for item in assert_each_item_done_once(env, 4)] == [2] * 4
 
 
+def test_second_sigterm_stops_a_lone_item_at_once_without_a_traceback(env):
+    enqueue(env, limit=2, max_tokens=200)
+    worker = start_worker(env, "--burst", "--batch", "1")
+    wait_for(lambda: statuses(env).get("running", 0) == 1, 240, "an item decoding")
+    worker.send_signal(signal.SIGTERM)
+    assert "finishing the 1 in flight" in wait_for_line(worker, "stopping: no new items")
+    worker.send_signal(signal.SIGTERM)
+    output = worker.communicate(timeout=60)[0]
+    assert "stopping now" in output and "Traceback" not in output, output
+    assert statuses(env) == {"running": 1, "queued": 1}  # stopped mid-item (200 tokens)
+    worker_in_process(env, "--burst", "--batch", "1")
+    assert sorted(item.attempts for item in assert_each_item_done_once(env, 2)) == [1, 2]
+
+
 def test_an_item_past_its_job_timeout_in_a_batch_fails_like_a_timed_out_job_and_is_retried(env):
     enqueue(env, limit=2, max_tokens=100)  # several seconds an item, each attempt
     connection = redis.Redis.from_url(env["POLSPEC_REDIS_URL"])

@@ -125,6 +125,14 @@ class PolspecWorker(SimpleWorker):
         log.warning("stopping now: the items in flight stay running until a worker or recover requeues them")
         raise SystemExit()
 
+    def handle_exception(self, job: Job, *exc_info) -> None:
+        # A job cut short by the stop above raises SystemExit inside RQ's perform_job: RQ
+        # fails (and so retries) the job, as it must, but its traceback would bury the one line
+        # that said why. The item itself waits, running, for the next worker or recover.
+        if exc_info[0] is SystemExit:
+            return
+        super().handle_exception(job, *exc_info)
+
     def handle_warm_shutdown_request(self) -> None:
         # Said at warning level so that a user who pressed Ctrl+C sees it took, and what a
         # second one does.
