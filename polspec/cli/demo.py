@@ -71,5 +71,9 @@ def demo(limit: int, max_tokens: int, batch: int) -> None:
     bulk_batch = next(iter(runs.values()))
     click.get_current_context().invoke(list_command, batch_id=bulk_batch, status=None, limit=0, as_json=False)
     click.echo(f"results are in {display_url()}")
-    click.echo(f"next: polspec results show {bulk_batch} wiki-001 | polspec results export {bulk_batch} "
-               "--format csv --output wyniki.csv | polspec status | polspec generate --help (speculative decoding)")
+    click.echo("next:")
+    for command, what in ((f"polspec results show {bulk_batch} wiki-001", "one item in full"),
+                          (f"polspec results export {bulk_batch} --format csv --output wyniki.csv", "a spreadsheet"),
+                          ("polspec status", "every batch"),
+                          ("polspec generate --help", "speculative decoding")):
+        click.echo(f"  {command:<62} # {what}")
