@@ -211,34 +211,23 @@ def test_first_sigterm_finishes_the_batch_in_flight_then_stops(env):
     assert_each_item_done_once(env, 6)
 
 
-def test_second_sigterm_stops_a_batch_at_once_and_its_items_run_again(env):
-    enqueue(env, limit=4, max_tokens=200)
-    worker = start_worker(env, "--burst", "--batch", "4")
-    wait_for(lambda: statuses(env).get("running", 0) == 4, 240, "a batch of four items decoding")
+@pytest.mark.parametrize(("batch", "limit", "left"), [(4, 4, {"running": 4}), (1, 2, {"running": 1, "queued": 1})])
+def test_second_sigterm_stops_at_once_without_a_traceback_and_the_items_run_again(env, batch, limit, left):
+    enqueue(env, limit=limit, max_tokens=200)
+    worker = start_worker(env, "--burst", "--batch", str(batch))
+    wait_for(lambda: statuses(env).get("running", 0) == batch, 240, f"{batch} items decoding")
     worker.send_signal(signal.SIGTERM)
     # The handler runs when the main thread leaves MLX: wait until the first one took. The
     # second may follow at once (RQ's own worker would take it for a duplicate within a second).
-    assert "finishing the 4 in flight" in wait_for_line(worker, "stopping: no new items")
-    worker.send_signal(signal.SIGTERM)
-    assert "stopping now" in worker.communicate(timeout=60)[0]
-    assert statuses(env) == {"running": 4}  # stopped mid-batch (200 tokens each), left for the next worker
-    output = worker_in_process(env, "--burst", "--batch", "4")
-    assert "re-enqueued 4 unfinished items (4 worker gone)" in output
-    assert [item.attempts for item in assert_each_item_done_once(env, 4)] == [2] * 4
-
-
-def test_second_sigterm_stops_a_lone_item_at_once_without_a_traceback(env):
-    enqueue(env, limit=2, max_tokens=200)
-    worker = start_worker(env, "--burst", "--batch", "1")
-    wait_for(lambda: statuses(env).get("running", 0) == 1, 240, "an item decoding")
-    worker.send_signal(signal.SIGTERM)
-    assert "finishing the 1 in flight" in wait_for_line(worker, "stopping: no new items")
+    assert f"finishing the {batch} in flight" in wait_for_line(worker, "stopping: no new items")
     worker.send_signal(signal.SIGTERM)
     output = worker.communicate(timeout=60)[0]
     assert "stopping now" in output and "Traceback" not in output, output
-    assert statuses(env) == {"running": 1, "queued": 1}  # stopped mid-item (200 tokens)
-    worker_in_process(env, "--burst", "--batch", "1")
-    assert sorted(item.attempts for item in assert_each_item_done_once(env, 2)) == [1, 2]
+    assert statuses(env) == left  # stopped mid-item (200 tokens each), left for the next worker
+    output = worker_in_process(env, "--burst", "--batch", str(batch))
+    assert f"re-enqueued {batch} unfinished items ({batch} worker gone)" in output
+    attempts = sorted(item.attempts for item in assert_each_item_done_once(env, limit))
+    assert attempts == [1] * (limit - batch) + [2] * batch
 
 
 def test_an_item_past_its_job_timeout_in_a_batch_fails_like_a_timed_out_job_and_is_retried(env):
