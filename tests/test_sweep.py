@@ -460,6 +460,28 @@ def test_datasets_from_jsonl_files_and_a_clear_error_for_hf_without_the_package(
             load_dataset("hf:speakleash/x", DecodingParams())
 
 
+@pytest.mark.slow
+def test_prompt_length_is_checked_once_for_all_drafts(gemma3, tmp_path, monkeypatch):
+    """The length check depends on the target alone: a sweep with two drafts counts a prompt in
+    doubt with the target's tokenizer once, and names the file and line of one that does not fit."""
+    from polspec.models import tokenizers
+
+    loaded = []
+    real = tokenizers.tokenizer_from_directory
+    monkeypatch.setattr(tokenizers, "tokenizer_from_directory", lambda *args: loaded.append(args) or real(*args))
+    drafts = ["smollm2-135m", "qwen2.5-coder-1.5b"]
+    in_doubt = tmp_path / "in_doubt.jsonl"  # 32,000 bytes in few tokens: counted, and it fits
+    in_doubt.write_text(json.dumps({"id": "x", "prompt": "a" * 32000}) + "\n", encoding="utf-8")
+    plan = expand_sweep(config(datasets=[str(in_doubt)], drafts=drafts), "test.toml")
+    assert {planned.item.prompt for planned in plan.items} == {"a" * 32000}
+    assert [alias for _, alias in loaded] == ["gemma3-270m"]
+
+    too_long = tmp_path / "too_long.jsonl"
+    too_long.write_text(json.dumps({"id": "x", "prompt": "Wisła płynie przez Kraków. " * 6000}) + "\n", encoding="utf-8")
+    with pytest.raises(PolspecError, match=rf"^test.toml: {too_long}:1: .*takes at most 32768"):
+        expand_sweep(config(datasets=[str(too_long)], drafts=drafts), "test.toml")
+
+
 def test_each_result_is_predicted_with_the_probe_of_the_machine_that_ran_it():
     """A sweep resumed on two machines: w1 and w2 ran where c = 0.2, w3 where c = 0.5, and w4
     recorded no probe (the reporting machine's, c = 0.3, stands in). The cell's prediction is

@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 from polspec.errors import PolspecError
 from polspec.jobs.queue import connect, display_redis_url, enqueue_items, queue_name
 from polspec.jobs.control import recover
-from polspec.jobs.spec import GenerateSpec, ItemInput, check_models
+from polspec.jobs.spec import GenerateSpec, ItemInput, check_items_fit, check_models
 from polspec.jobs.sweep import SweepPlan
 from polspec.settings import redis_url
 from polspec.store.engine import session_scope
@@ -45,6 +45,7 @@ def enqueue_generate(spec: GenerateSpec, items: list[ItemInput], name: str | Non
     twice under one name adds nothing twice.
     """
     check_models(spec, items)
+    check_items_fit(spec, items)
     queue_url = queue_url or redis_url()
     connection = connect(queue_url)
     with upgraded_database(db_url) as engine:

@@ -21,7 +21,7 @@ from typing import Any
 from polspec.decoding.params import DecodingParams
 from polspec.decoding.prompts import chat_mode, check_messages, check_prompt, check_text, encode_with, too_long
 from polspec.errors import PolspecError
-from polspec.models.registry import ModelEntry, load_registry
+from polspec.models.registry import load_registry
 
 # Decoding parameters a line may set for itself; the rest are per batch.
 ITEM_PARAMS = ("max_tokens", "k", "strategy", "prefix", "partial_word", "temperature", "top_p", "top_k", "seed",
@@ -69,9 +69,9 @@ class ItemInput:
 def check_models(spec: GenerateSpec, items: list[ItemInput], raw_option: str = "--raw") -> None:
     """Refuse, before anything is queued, what would fail on the worker for every item alike:
     an alias the registry does not know (with close matches), messages for a model with no chat
-    template, or chat mode for a draft with no chat template; and what would fail for one item,
-    a prompt the target cannot take (:func:`check_items_fit`). ``raw_option`` is how the user
-    asks for raw text where the check is made (a sweep file says ``raw = true``)."""
+    template, or chat mode for a draft with no chat template. ``raw_option`` is how the user
+    asks for raw text where the check is made (a sweep file says ``raw = true``). What would fail
+    for one item is :func:`check_items_fit`'s."""
     registry = load_registry()
     target = registry.model(spec.target)
     draft = registry.model(spec.draft) if spec.draft is not None else None
@@ -84,7 +84,6 @@ def check_models(spec: GenerateSpec, items: list[ItemInput], raw_option: str = "
     if chat and draft is not None and not draft.chat_template:
         raise PolspecError(f"draft {draft.alias} has no chat template but {target.alias} runs in chat mode: "
                            f"add {raw_option}, or choose a draft with a chat template")
-    check_items_fit(target, items, spec.params, chat)
 
 
 # Tokens a chat template may add around the messages, for the cheap test below: the registry's
@@ -93,28 +92,31 @@ def check_models(spec: GenerateSpec, items: list[ItemInput], raw_option: str = "
 TEMPLATE_TOKENS = 1024
 
 
-def check_items_fit(target: ModelEntry, items: list[ItemInput], base: DecodingParams, chat: bool) -> None:
+def check_items_fit(spec: GenerateSpec, items: list[ItemInput]) -> None:
     """Refuse, at its FILE:LINE, an item whose prompt and ``max_tokens`` exceed the target's
-    context, as the worker would. Only where the target's files are on this machine (enqueue may
-    run where they are not: then the worker fails such an item, with the same reason); only items
-    long enough to be in doubt are tokenized, so the tokenizer is seldom even loaded."""
+    context, as the worker would. This depends on the target alone, so a sweep checks once for
+    all its drafts. Only where the target's files are on this machine (enqueue may run where they
+    are not: then the worker fails such an item, with the same reason); only items long enough to
+    be in doubt are tokenized, so the tokenizer is seldom even loaded."""
     from polspec.models.files import cached_path, context_length
 
+    target = load_registry().model(spec.target)
     path = cached_path(target)
     limit = context_length(path) if path is not None else None
     if not limit:
         return
-    in_doubt = [item for item in items if _byte_bound(item) + TEMPLATE_TOKENS + item.params(base).max_tokens > limit]
+    budgets = ((item, item.params(spec.params).max_tokens) for item in items)
+    in_doubt = [(item, budget) for item, budget in budgets if _byte_bound(item) + TEMPLATE_TOKENS + budget > limit]
     if not in_doubt:
         return
     from polspec.models.tokenizers import tokenizer_from_directory
 
     tokenizer = tokenizer_from_directory(path, target.alias)
-    for item in in_doubt:
+    chat = chat_mode(target, spec.chat)
+    for item, budget in in_doubt:
         prompt = item.prompt if item.prompt is not None else item.messages
         try:
-            reason = too_long(target, len(encode_with(target, tokenizer, prompt, chat)),
-                              item.params(base).max_tokens, limit)
+            reason = too_long(target, len(encode_with(target, tokenizer, prompt, chat)), budget, limit)
         except PolspecError as error:
             reason = str(error)
         if reason:

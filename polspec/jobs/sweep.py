@@ -50,7 +50,7 @@ from typing import Any
 from polspec.decoding.params import DecodingParams, is_whole_number
 from polspec.errors import PolspecError
 from polspec.jobs.datasets import load_dataset
-from polspec.jobs.spec import GenerateSpec, ItemInput, check_models
+from polspec.jobs.spec import GenerateSpec, ItemInput, check_items_fit, check_models
 from polspec.models.registry import load_registry
 
 # Decoding parameters a sweep sets once for all its cells.
@@ -137,12 +137,14 @@ def expand_sweep(config: dict[str, Any], source: str) -> SweepPlan:
         prompts = {name: load_dataset(name, base, limit) for name, limit in datasets}
     except PolspecError as error:
         raise PolspecError(f"{source}: 'datasets': {error}") from None
-    for draft in [None, *grid["drafts"]]:
-        try:
-            check_models(GenerateSpec(spec.target, draft, base, spec.chat, source),
-                         [item for items in prompts.values() for item in items], raw_option="raw = true")
-        except PolspecError as error:
-            raise PolspecError(f"{source}: {error}") from None
+    every_item = [item for items in prompts.values() for item in items]
+    try:
+        for draft in [None, *grid["drafts"]]:
+            check_models(GenerateSpec(spec.target, draft, base, spec.chat, source), every_item,
+                         raw_option="raw = true")
+        check_items_fit(spec, every_item)
+    except PolspecError as error:
+        raise PolspecError(f"{source}: {error}") from None
 
     plan = SweepPlan(config.get("name") or _default_name(config), spec, dict(config))
     per_dataset: dict[str, list[CellPlan]] = {}
