@@ -95,6 +95,7 @@ def test_twelve_prompts_end_to_end_with_exports(any_db_env, tmp_path, gemma3):
     code, output = cli(env, "status", str(batch), "--json")
     progress = json.loads(output)
     assert progress["status"] == "done" and progress["done"] == 12 and progress["queued"] == 0
+    assert (progress["target"], progress["drafts"]) == ("gemma3-270m", ["smollm2-135m"])
     assert progress["tokens_per_s"] > 0 and progress["aggregate_tokens_per_s"] > 0
     code, output = cli(env, "status", "--watch", "--interval", "0.1")  # returns once nothing is left to run
     assert code == 0 and "e2e" in output and "100%" in output

@@ -342,7 +342,9 @@ def test_resuming_reopens_a_cancelled_sweep_and_keeps_a_finished_one_done(env, t
     assert {item.status for _, item, _ in stored(env).values()} == {"queued"}
     code, output = cli(env, "enqueue", "sweep", "--config", str(sweep_file))
     assert code == 0 and "0 enqueued on polspec-gemma3-270m, 10 still queued or running, 0 already done" in output
-    assert json.loads(cli(env, "status", str(batch), "--json")[1].splitlines()[0])["status"] == "running"
+    progress = json.loads(cli(env, "status", str(batch), "--json")[1].splitlines()[0])
+    assert progress["status"] == "running" and progress["drafts"] == ["smollm2-135m"]
+    assert "gemma3-270m + smollm2-135m" in cli(env, "status", str(batch))[1]
 
     engine = make_engine(env["POLSPEC_DB_URL"])
     with session_scope(engine) as session:

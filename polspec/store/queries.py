@@ -29,7 +29,7 @@ class BatchProgress:
     kind: str
     status: str
     target: str
-    draft: str | None
+    drafts: list[str]  # a generation's draft (or none), a sweep's every draft
     created_at: datetime
     counts: dict[str, int] = field(default_factory=dict)
     generated_tokens: int = 0
@@ -71,10 +71,16 @@ class BatchProgress:
 
     def as_dict(self) -> dict[str, Any]:
         return {"batch": self.id, "name": self.name, "kind": self.kind, "status": self.status,
-                "target": self.target, "draft": self.draft, "created_at": self.created_at.isoformat(),
+                "target": self.target, "drafts": self.drafts, "created_at": self.created_at.isoformat(),
                 "total": self.total, **{status.value: self.counts.get(status.value, 0) for status in Status},
                 "generated_tokens": self.generated_tokens, "tokens_per_s": self.tokens_per_s,
                 "aggregate_tokens_per_s": self.aggregate_tokens_per_s, "eta_s": self.eta_s}
+
+
+def _drafts(spec: dict[str, Any]) -> list[str]:
+    if spec.get("kind") == "sweep":
+        return list(spec.get("config", {}).get("drafts", []))
+    return [spec["draft"]] if spec.get("draft") else []
 
 
 def find_batch(session: Session, batch_id: int) -> Batch:
@@ -98,7 +104,7 @@ def batch_progress(engine: Engine, batch_id: int | None = None) -> list[BatchPro
         if batch_id is not None:
             query = query.where(Batch.id == batch_id)
         batches = {batch.id: BatchProgress(batch.id, batch.name, batch.kind, batch.status, batch.spec.get("target", ""),
-                                           batch.spec.get("draft"), batch.created_at)
+                                           _drafts(batch.spec), batch.created_at)
                    for batch in session.scalars(query)}
         if batch_id is not None and not batches:
             find_batch(session, batch_id)
