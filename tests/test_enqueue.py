@@ -103,6 +103,18 @@ def test_same_name_adds_only_new_ids(env, tmp_path):
     assert "batch 'nightly' (id 1) exists with different parameters: k (2, not 3); choose another --name" in output
 
 
+def test_a_draft_that_is_the_target_itself_is_queued_with_a_note(env, tmp_path):
+    source = write_jsonl(tmp_path / "p.jsonl", GOOD)
+    same = CliRunner().invoke(main, ["enqueue", "generate", "--input", str(source), "--target", "smollm2-135m",
+                                     "--draft", "smollm2-135m", "--json"], env=env)
+    assert same.exit_code == 0 and json.loads(same.stdout)["added"] == 3
+    assert same.stderr == ("note: the draft smollm2-135m is the target's own model: its guesses cost as much as "
+                           "the target's steps, so --draft none is faster\n")
+    other = CliRunner().invoke(main, ["enqueue", "generate", "--input", str(source), "--target", "qwen2.5-coder-1.5b",
+                                      "--draft", "smollm2-135m", "--json"], env=env)
+    assert other.exit_code == 0 and other.stderr == ""
+
+
 def test_stdin_and_dataset_inputs(env):
     lines = "\n".join(json.dumps(row, ensure_ascii=False) for row in GOOD).encode()
     code, output = invoke(env, "--input", "-", "--target", "smollm2-135m", "--json", input=lines)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from polspec.cli.options import decoding_options, decoding_params
+from polspec.cli.options import decoding_options, decoding_params, note_if_the_draft_is_the_target
 from polspec.errors import PolspecError
 from polspec.jobs.datasets import DATASETS, load_dataset
 
@@ -58,6 +58,7 @@ def generate(input_path: str | None, dataset: str | None, limit: int | None, nam
         items = parse_jsonl(_read_lines(input_path), source, params)[:limit]
     spec = GenerateSpec(target, None if draft == "none" else draft, params, False if raw else None, source)
     done = enqueue_generate(spec, items, name)
+    note_if_the_draft_is_the_target(target, draft)
     if as_json:
         click.echo(json.dumps({"batch": done.batch_id, "name": done.name, "queue": done.queue,
                                "added": done.added, "existing": done.existing}))

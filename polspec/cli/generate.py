@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from polspec.cli.options import decoding_options, decoding_params
+from polspec.cli.options import decoding_options, decoding_params, note_if_the_draft_is_the_target
 
 
 class _Printer:
@@ -73,6 +73,7 @@ def generate(prompt: str, target: str, draft: str, raw: bool, show_accepted: boo
     registry.model(target)
     if draft != "none":
         registry.model(draft)
+    note_if_the_draft_is_the_target(target, draft)
     target_model = load_model(target)
     draft_model = None if draft == "none" else load_model(draft)
     if draft_model is not None and params.k == "auto" and load_probe(target, draft) is None:

@@ -84,3 +84,14 @@ def decoding_params(options: dict):
         if field in ITEM_PARAMS and rest:
             raise PolspecError(f"--{field.replace('_', '-')} {rest}") from None
         raise
+
+
+def note_if_the_draft_is_the_target(target: str, draft: str) -> None:
+    """Say so, on stderr, when the draft is the target's own weights: the output stays exact,
+    but each draft token costs a target step, so speculation can only lose."""
+    from polspec.models.registry import load_registry
+
+    registry = load_registry()
+    if draft != "none" and registry.model(draft).source == registry.model(target).source:
+        click.echo(f"note: the draft {draft} is the target's own model: its guesses cost as much as the "
+                   "target's steps, so --draft none is faster", err=True)
