@@ -287,7 +287,7 @@ def cell_row(key: CellKey, members: list[tuple[Pair, Result]], baseline: dict[Pa
     accepted = total("candidates_accepted")
     ratio = _candidates_per_draft_token(metrics)
     k_used = _k_used(key.k, metrics)
-    even = break_even_acceptance(probe, k_used, ratio) if probe is not None and k_used else None
+    even = break_even_acceptance(probe.at_batch(key.batch), k_used, ratio) if probe is not None and k_used else None
     return Row(
         **vars(key),
         prompts=len({pair.prompt_key for pair, _ in members}),
@@ -300,7 +300,8 @@ def cell_row(key: CellKey, members: list[tuple[Pair, Result]], baseline: dict[Pa
         aggregate_speedup=aggregate / baseline_aggregate if aggregate and baseline_aggregate else None,
         joules_per_token=joules,
         translation_overhead=total("translate_s") / total("verify_s") if total("verify_s") else None,
-        predicted_speedup=predicted_speedup_of_cell(key.k, members, probe), break_even_acceptance=even,
+        predicted_speedup=predicted_speedup_of_cell(key.k, members, probe, key.batch),
+        break_even_acceptance=even,
         never_pays=probe is not None and bool(k_used) and even is None,
     )
 
@@ -323,9 +324,11 @@ def _k_used(k: str, metrics: list[dict]) -> int:
     return max(1, round(_total(metrics, "draft_tokens") / speculative)) if speculative else 0
 
 
-def predicted_speedup_of_cell(k: str, members: list[tuple[Pair, Result]], fallback: Probe | None) -> float | None:
-    """The cost model's speedup for a cell's results, each predicted with the probe its worker
-    recorded (the machine that ran it) or else ``fallback``: per probe, from the acceptance
+def predicted_speedup_of_cell(k: str, members: list[tuple[Pair, Result]], fallback: Probe | None,
+                              batch: int = 1) -> float | None:
+    """The cost model's speedup for a cell's results, decoded ``batch`` sequences at a time, each
+    predicted with the probe its worker recorded (the machine that ran it) or else ``fallback``,
+    at that batch size (:meth:`Probe.at_batch`): per probe, from the acceptance
     measured over that probe's results, then averaged weighted by the prompts each probe ran (a
     prompt split across machines counts once per machine). None when a result has no probe
     either way, or a probe's results speculated without a single verified candidate."""
@@ -346,7 +349,8 @@ def predicted_speedup_of_cell(k: str, members: list[tuple[Pair, Result]], fallba
             return None
         # An auto cell whose probe said no k pays ran plain target steps only: speedup 1.
         a_hat = accepted / (accepted + rejections) if speculative else 0.0
-        predicted = predicted_speedup_of_rounds(probe, a_hat, max(k_used, 1), _candidates_per_draft_token(metrics),
+        predicted = predicted_speedup_of_rounds(probe.at_batch(batch), a_hat, max(k_used, 1),
+                                                _candidates_per_draft_token(metrics),
                                                 speculative, _total(metrics, "plain_rounds"))
         weighted.append((predicted, len({pair.prompt_key for pair, _ in group})))
     if not weighted:
