@@ -151,3 +151,18 @@ def test_a_cut_list_says_so_and_a_report_names_a_batch_that_is_no_sweep(sqlite_e
     code, output = cli(sqlite_env, "report", str(batch))
     assert code == 1 and output == (f"polspec: error: batch {batch} is a generate batch, not a sweep: "
                                     f"polspec results list --batch {batch} shows its items\n")
+
+
+def test_square_brackets_in_ids_names_and_sql_print_as_they_are(sqlite_env, tmp_path):
+    """Tables print users' text verbatim: Rich markup would hide ``[b]`` and fail on ``[/]``."""
+    source = tmp_path / "p.jsonl"
+    rows = [{"id": "[/]", "prompt": "Kraków leży"}, {"id": "[b]q", "prompt": "Wisła"}]
+    source.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    code, output = cli(sqlite_env, "enqueue", "generate", "--input", str(source), "--name", "[/]names", "--json")
+    assert code == 0, output
+    code, output = cli(sqlite_env, "status")
+    assert code == 0 and "[/]names" in output
+    code, output = cli(sqlite_env, "results", "list")
+    assert code == 0 and "[/]" in output and "[b]q" in output
+    code, output = cli(sqlite_env, "results", "sql", "SELECT '[/]' AS x, '[bold]y' AS y")
+    assert code == 0 and "[/]" in output and "[bold]y" in output

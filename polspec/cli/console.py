@@ -2,6 +2,8 @@
 
 Rich assumes 80 columns off a terminal, which squeezes the tables of ``status``, ``results`` and
 ``models`` into truncated cells in a log file or a pipe; there they get room to print whole.
+Markup is off: the cells are users' ids, names and generated text, and Rich would read their
+square brackets (``[b]``, ``[/]``) as styles, or fail on them.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ REDIRECTED_WIDTH = 200
 
 def output_console() -> Console:
     """A console on stdout; ``COLUMNS`` still wins when set."""
-    console = Console()
+    console = Console(markup=False)
     if not console.is_terminal and not columns_set():
-        console = Console(width=REDIRECTED_WIDTH)
+        console = Console(markup=False, width=REDIRECTED_WIDTH)
     return console

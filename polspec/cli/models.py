@@ -9,6 +9,7 @@ from pathlib import Path
 
 import click
 from rich.table import Table
+from rich.text import Text
 
 from polspec.cli.console import output_console
 from polspec.cli.progress import progress_bar
@@ -71,7 +72,7 @@ def list_models(as_json: bool) -> None:
     for row in rows:
         table.add_row(
             row["alias"], row["kind"], row["source"], row["architecture"], row["tokenizer_family"],
-            "yes" if row["chat_template"] else "", "[green]yes[/]" if row["cached"] else "no",
+            "yes" if row["chat_template"] else "", Text("yes", style="green") if row["cached"] else "no",
         )
     output_console().print(table)
 

@@ -22,7 +22,8 @@ def progress_bar(title: str) -> Iterator[ProgressFn]:
     if not console.is_terminal:
         yield no_progress
         return
-    columns = (TextColumn(f"[bold]{title}[/] {{task.description}}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    columns = (TextColumn(title, style="bold", markup=False), TextColumn("{task.description}", markup=False),
+               BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as progress:
         task = progress.add_task("", total=None)
 
