@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import platform
 import re
+import sqlite3
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -43,6 +45,37 @@ def test_doctor_reports_backend_redis_database_and_energy(redis_url, sqlite_url)
     assert invoke("db", "upgrade", env=env)[0] == 0
     report = json.loads(invoke("doctor", "--json", env=env)[1])
     assert report["database"]["revision"] == head_revision() and report["database"]["up_to_date"]
+
+
+@pytest.mark.slow
+def test_doctor_fails_on_a_file_that_is_no_database_and_on_a_newer_schema(redis_url, tmp_path):
+    """Both refuse every command that reads results, so doctor marks them failures ("!!"), in
+    one line each, and db current says what to do."""
+    not_a_database = tmp_path / "notes.db"
+    not_a_database.write_text("garbage\n")
+    env = {"POLSPEC_REDIS_URL": redis_url, "POLSPEC_DB_URL": f"sqlite:///{not_a_database}"}
+    code, output = invoke("doctor", "--json", env=env)
+    assert code == 1 and json.loads(output)["database"]["error"] == "file is not a database"
+    code, output = invoke("db", "current", env=env)
+    assert code == 1 and output == f"polspec: error: database sqlite:///{not_a_database}: file is not a database\n"
+
+    newer = f"sqlite:///{tmp_path / 'newer.db'}"
+    env["POLSPEC_DB_URL"] = newer
+    assert invoke("db", "upgrade", env=env)[0] == 0
+    with sqlite3.connect(tmp_path / "newer.db") as connection:
+        connection.execute("UPDATE alembic_version SET version_num = 'ffff'")
+    code, output = invoke("doctor", env=env)
+    assert code == 1 and f"!! database   {newer}: revision ffff, newer than this polspec knows: upgrade polspec" in output
+    code, output = invoke("db", "current", env=env)
+    assert code == 0 and output == (f"{newer}: revision ffff, newer than this polspec knows (it needs "
+                                    f"{head_revision()}): upgrade polspec\n")
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs procfs, where no file can be created")
+def test_db_upgrade_where_no_file_can_be_created_is_one_line():
+    code, output = invoke("db", "upgrade", env={"POLSPEC_DB_URL": "sqlite:////proc/polspec.db"})
+    assert code == 1 and output.startswith("polspec: error: cannot create the migration lock /proc/polspec.db.migrate-lock: ")
+    assert output.count("\n") == 1
 
 
 @pytest.mark.slow

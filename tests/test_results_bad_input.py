@@ -166,3 +166,13 @@ def test_square_brackets_in_ids_names_and_sql_print_as_they_are(sqlite_env, tmp_
     assert code == 0 and "[/]" in output and "[b]q" in output
     code, output = cli(sqlite_env, "results", "sql", "SELECT '[/]' AS x, '[bold]y' AS y")
     assert code == 0 and "[/]" in output and "[bold]y" in output
+
+
+def test_a_file_that_is_no_database_is_one_line_for_every_reading_command(sqlite_env, tmp_path):
+    notes = tmp_path / "notes.db"
+    notes.write_text("garbage\n")
+    env = dict(sqlite_env, POLSPEC_DB_URL=f"sqlite:///{notes}")
+    for args in (["status"], ["results", "list"], ["results", "sql", "SELECT 1"], ["report", "1"], ["db", "upgrade"]):
+        code, output = cli(env, *args)
+        assert code == 1 and output == f"polspec: error: database sqlite:///{notes}: file is not a database\n", args
+    assert notes.read_text() == "garbage\n"

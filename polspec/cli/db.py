@@ -7,7 +7,7 @@ import json
 import click
 
 from polspec.store.engine import display_url
-from polspec.store.migrate import current_revision, head_revision, upgrade
+from polspec.store.migrate import current_revision, head_revision, is_newer_than_polspec, upgrade
 
 
 @click.group()
@@ -41,6 +41,9 @@ def current_command(as_json: bool) -> None:
         click.echo(json.dumps(row))
     elif current == head:
         click.echo(f"{display_url()}: revision {current} (up to date)")
+    elif is_newer_than_polspec(current):
+        click.echo(f"{display_url()}: revision {current}, newer than this polspec knows (it needs {head}): "
+                   "upgrade polspec")
     else:
         shown = current or "none (empty)"
         click.echo(f"{display_url()}: revision {shown}, polspec needs {head}: run polspec db upgrade")

@@ -40,14 +40,16 @@ def _redis_report(url: str) -> dict:
 
 
 def _database_report(url: str) -> dict:
-    from polspec.store.migrate import current_revision, head_revision
+    from polspec.store.migrate import current_revision, head_revision, is_newer_than_polspec
 
     report = {"url": display_url(url), "head": head_revision()}
     try:
         report["revision"] = current_revision(url)
     except PolspecError as error:
-        report["error"] = str(error)
+        report["error"] = str(error).removeprefix(f"database {report['url']}: ")
         return report
+    if is_newer_than_polspec(report["revision"]):
+        report["error"] = f"revision {report['revision']}, newer than this polspec knows: upgrade polspec"
     report["up_to_date"] = report["revision"] == report["head"]
     return report
 

@@ -71,7 +71,10 @@ def make_engine(url: str | URL | None = None, *, readonly: bool = False) -> Engi
         # PEP 249: OperationalError is the database's operation failing, not the program's
         # logic (constraint violations are IntegrityError and stay catchable as such). SQLite
         # also reports SQL syntax errors this way, which suits ``results sql`` as one line too.
-        if context.is_pre_ping or not isinstance(context.sqlalchemy_exception, OperationalError):
+        # So is a file that is no SQLite database, or a damaged one, though SQLite says it
+        # through a plain DatabaseError.
+        damaged = getattr(context.original_exception, "sqlite_errorname", "") in ("SQLITE_NOTADB", "SQLITE_CORRUPT")
+        if context.is_pre_ping or not (isinstance(context.sqlalchemy_exception, OperationalError) or damaged):
             return
         reason = " ".join(str(context.original_exception).split())
         if sqlite and "locked" in reason:

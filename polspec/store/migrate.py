@@ -109,7 +109,7 @@ def require_current_schema(url: str | None = None) -> None:
     current, head = current_revision(url), head_revision()
     if current == head:
         return
-    if current is not None and not _is_known(current):
+    if is_newer_than_polspec(current):
         raise _unknown_revision(current, url)
     raise PolspecError(
         f"database {display_url(url)} is at revision {current or 'none (empty)'}, "
@@ -155,7 +155,11 @@ def _file_lock(url: URL) -> AbstractContextManager[None]:
 
 @contextmanager
 def _flock(path: Path) -> Iterator[None]:
-    with open(path, "a") as handle:
+    try:
+        handle = open(path, "a")
+    except OSError as error:
+        raise PolspecError(f"cannot create the migration lock {path}: {error.strerror}") from None
+    with handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield
@@ -178,14 +182,15 @@ def _check_foreign_keys(connection: Connection, url: str | None) -> None:
         )
 
 
-def _is_known(revision: str) -> bool:
+def is_newer_than_polspec(revision: str | None) -> bool:
+    """Whether ``revision`` is one this polspec does not know: a newer polspec upgraded the database."""
     script = ScriptDirectory.from_config(alembic_config())
-    return any(known.revision == revision for known in script.walk_revisions())
+    return revision is not None and not any(known.revision == revision for known in script.walk_revisions())
 
 
 def _require_known(connection: Connection, url: str | None) -> None:
     current = MigrationContext.configure(connection).get_current_revision()
-    if current is not None and not _is_known(current):
+    if is_newer_than_polspec(current):
         raise _unknown_revision(current, url)
 
 
