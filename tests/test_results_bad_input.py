@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import sqlite3
 import stat
 import subprocess
 import sys
@@ -176,3 +177,16 @@ def test_a_file_that_is_no_database_is_one_line_for_every_reading_command(sqlite
         code, output = cli(env, *args)
         assert code == 1 and output == f"polspec: error: database sqlite:///{notes}: file is not a database\n", args
     assert notes.read_text() == "garbage\n"
+
+
+def test_reading_a_database_of_other_tables_adds_nothing_to_it(sqlite_env, tmp_path):
+    shop = tmp_path / "shop.db"
+    with sqlite3.connect(shop) as connection:
+        connection.execute("CREATE TABLE customers (name TEXT)")
+    env = dict(sqlite_env, POLSPEC_DB_URL=f"sqlite:///{shop}")
+    for args in (["status"], ["results", "list"], ["report", "1"]):
+        code, output = cli(env, *args)
+        assert code == 1 and output.count("\n") == 1, args
+        assert f"database sqlite:///{shop} holds tables that are not polspec's (customers) and none of polspec's" in output
+    with sqlite3.connect(shop) as connection:
+        assert connection.execute("SELECT name FROM sqlite_master").fetchall() == [("customers",)]

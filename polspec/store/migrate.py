@@ -23,7 +23,7 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import URL, Connection, Engine, text
+from sqlalchemy import URL, Connection, Engine, inspect, text
 
 from polspec.errors import PolspecError
 from polspec.settings import database_url_set
@@ -90,18 +90,35 @@ def upgraded_database(url: str | None = None, *, readonly: bool = False, create:
     with :func:`require_current_schema` instead). Commands that only read pass ``create=False``:
     a SQLite file the user named (``url`` or ``POLSPEC_DB_URL``) that does not exist is then an
     error, not a new empty database, so a mistyped URL is not read as "nothing stored yet".
-    The default database under ``POLSPEC_HOME`` is still created, empty.
+    The default database under ``POLSPEC_HOME`` is still created, empty. Nor do they add
+    polspec's tables to a database that holds other tables and none of polspec's.
     """
     path = sqlite_file(parse_url(url))
     if not create and path is not None and not path.exists() and (url is not None or database_url_set()):
         raise PolspecError(f"database {display_url(url)}: no such file, nothing has been stored there "
                            "(is POLSPEC_DB_URL right?)")
+    if not create:
+        _refuse_foreign(url)
     ensure_schema(url)
     engine = make_engine(url, readonly=readonly)
     try:
         yield engine
     finally:
         engine.dispose()
+
+
+def _refuse_foreign(url: str | None) -> None:
+    if current_revision(url) is not None:
+        return
+    engine = make_engine(url)
+    try:
+        tables = inspect(engine).get_table_names()
+    finally:
+        engine.dispose()
+    if tables:
+        named = ", ".join(sorted(tables)[:3]) + (", ..." if len(tables) > 3 else "")
+        raise PolspecError(f"database {display_url(url)} holds tables that are not polspec's ({named}) and none "
+                           "of polspec's (is POLSPEC_DB_URL right? polspec db upgrade adds polspec's tables to it)")
 
 
 def require_current_schema(url: str | None = None) -> None:
