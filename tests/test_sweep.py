@@ -23,7 +23,7 @@ from polspec.errors import PolspecError
 from polspec.jobs.spec import ITEM_PARAMS
 from polspec.jobs.sweep import expand_sweep, load_sweep
 from polspec.report.render import markdown
-from polspec.report.summary import CellKey, Pair, Row, SweepReport, cell_row, predicted_speedup_of_cell
+from polspec.report.summary import CellKey, Pair, Row, SweepReport, cell_row, mean_interval, predicted_speedup_of_cell
 from polspec.report.summary import headline as summary_headline
 from polspec.store.engine import make_engine, session_scope
 from polspec.store.migrate import upgrade
@@ -328,7 +328,14 @@ def test_repeats_of_a_prompt_are_averaged_before_the_interval_over_prompts():
     per_prompt = [1.5, 1.0]  # a: (1 + 2) / 2, b: (1 + 1) / 2
     half = 12.706 * statistics.stdev(per_prompt) / 2 ** 0.5  # t(0.975, 1 degree of freedom)
     assert row.prompts == 2
-    assert (row.speedup, row.speedup_low, row.speedup_high) == pytest.approx((1.25, 1.25 - half, 1.25 + half))
+    assert (row.speedup, row.speedup_high) == pytest.approx((1.25, 1.25 + half))
+    assert 1.25 - half < 0 and row.speedup_low == 0.0  # two prompts: the t-interval reaches below any ratio
+
+
+def test_the_interval_of_close_ratios_is_the_t_interval():
+    ratios = [1.1, 1.2, 1.3, 1.2]
+    half = 3.182 * statistics.stdev(ratios) / 2  # t(0.975, 3 degrees of freedom), 4 prompts
+    assert mean_interval(ratios) == pytest.approx((1.2, 1.2 - half, 1.2 + half), abs=1e-3)
 
 
 def test_resuming_reopens_a_cancelled_sweep_and_keeps_a_finished_one_done(env, tmp_path):

@@ -185,14 +185,16 @@ def headline(dataset: str, rows: list[Row]) -> Headline:
                     max(predicted, key=lambda row: abs(row.predicted_speedup / row.speedup - 1), default=None))
 
 
-def mean_interval(values: list[float]) -> tuple[float, float | None, float | None]:
-    """Mean and two-sided 95% t-interval; a single value has no interval (None bounds)."""
-    mean = statistics.fmean(values)
-    if len(values) < 2:
+def mean_interval(ratios: list[float]) -> tuple[float, float | None, float | None]:
+    """Mean of positive ratios (speedups) and its two-sided 95% t-interval, whose lower bound
+    stops at 0 (over few, scattered prompts the t-interval reaches below it, where no ratio
+    lies); a single value has no interval (None bounds)."""
+    mean = statistics.fmean(ratios)
+    if len(ratios) < 2:
         return mean, None, None
-    quantile = _T95[len(values) - 2] if len(values) - 1 <= len(_T95) else 1.96
-    half = quantile * statistics.stdev(values) / math.sqrt(len(values))
-    return mean, mean - half, mean + half
+    quantile = _T95[len(ratios) - 2] if len(ratios) - 1 <= len(_T95) else 1.96
+    half = quantile * statistics.stdev(ratios) / math.sqrt(len(ratios))
+    return mean, max(mean - half, 0.0), mean + half
 
 
 def sweep_report(engine: Engine, batch_id: int) -> SweepReport:
