@@ -89,7 +89,7 @@ def test_an_output_that_cannot_be_written_is_one_line_and_leaves_nothing(sqlite_
     assert sorted(path.name for path in tmp_path.iterdir()) == ["a-file", "data"]
 
 
-def test_a_report_whose_plots_cannot_be_written_writes_no_report_either(sqlite_env, tmp_path):
+def test_a_report_or_its_plots_that_cannot_be_written_leave_nothing_behind(sqlite_env, tmp_path):
     sweep = tmp_path / "sweep.toml"
     sweep.write_text('target = "gemma3-270m"\ndrafts = ["smollm2-135m"]\ndatasets = [{ name = "pl-short", limit = 1 }]\n')
     code, output = cli(sqlite_env, "enqueue", "sweep", "--config", str(sweep), "--json")
@@ -101,8 +101,19 @@ def test_a_report_whose_plots_cannot_be_written_writes_no_report_either(sqlite_e
     code, output = cli(sqlite_env, "report", str(sweep_id), "--output", str(report), "--plots", str(blocker / "plots"))
     assert code == 1 and output.startswith(f"polspec: error: {blocker / 'plots'}: cannot make the plots directory")
     assert output.count("\n") == 1 and not report.exists()
-    code, output = cli(sqlite_env, "report", str(sweep_id), "--output", str(report))
+    plots = tmp_path / "plots"
+    code, output = cli(sqlite_env, "report", str(sweep_id), "--output", str(tmp_path / "no" / "r.md"), "--plots", str(plots))
+    assert code == 1 and output == f"polspec: error: {tmp_path / 'no' / 'r.md'}: {tmp_path / 'no'} does not exist\n"
+    assert not plots.exists()  # the plots it had written are gone with the directory it made
+    plots.mkdir()
+    (plots / "mine.txt").write_text("keep")
+    code, output = cli(sqlite_env, "report", str(sweep_id), "--output", str(tmp_path / "no" / "r.md"), "--plots", str(plots))
+    assert code == 1 and [path.name for path in plots.iterdir()] == ["mine.txt"]
+
+    code, output = cli(sqlite_env, "report", str(sweep_id), "--output", str(report), "--plots", str(plots))
     assert code == 0 and report.read_text(encoding="utf-8").startswith("#")
+    assert output.endswith(f"sweep {sweep_id} has no results yet (0 of 2 generations done), so its tables are empty\n")
+    assert f"wrote {report}\n" in output and len(list(plots.glob("*.png"))) == 3
 
 
 def test_the_read_only_query_cannot_create_a_file_or_run_nothing(sqlite_env, batch, tmp_path):

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from polspec.cli.files import write_file_atomically
 from polspec.errors import PolspecError
+
+if TYPE_CHECKING:
+    from polspec.report.summary import SweepReport
 
 
 @click.command()
@@ -37,22 +42,46 @@ def report(sweep_id: int, fmt: str, output: Path | None, plots: Path | None) -> 
     with upgraded_database(create=False) as engine:
         summary = sweep_report(engine, sweep_id)
     text = {"md": markdown, "csv": csv_text, "json": json_text}[fmt](summary)
-    if plots is not None:  # before the report is written: a bad plots directory leaves nothing behind
-        try:
-            plots.mkdir(parents=True, exist_ok=True)
-        except OSError as error:
-            raise PolspecError(f"{plots}: cannot make the plots directory: {error.strerror}") from None
-    if output is None:
-        click.echo(text)
-    else:
-        write_file_atomically(output, lambda handle: handle.write(text + ("" if text.endswith("\n") else "\n")))
-        click.echo(f"wrote {output}", err=True)
-    if plots is not None:
-        from polspec.report.plots import write_plots
+    # Plots first and the report last; on any failure the plots this run added are removed
+    # again (with the directory, if it made it), so a bad plots directory or output leaves
+    # nothing new behind.
+    before = set(plots.iterdir()) if plots is not None and plots.is_dir() else None
+    try:
+        written = _write_plots(summary, plots) if plots is not None else []
+        if output is None:
+            click.echo(text)
+        else:
+            write_file_atomically(output, lambda handle: handle.write(text + ("" if text.endswith("\n") else "\n")))
+    except BaseException:
+        if plots is not None:
+            _remove_new(plots, before)
+        raise
+    for path in [*written, *([output] if output is not None else [])]:
+        click.echo(f"wrote {path}", err=True)
+    if not summary.rows:
+        click.echo(f"sweep {sweep_id} has no results yet ({summary.done} of {summary.total} generations done), "
+                   "so its tables are empty", err=True)
 
-        try:
-            written = write_plots(summary, plots)
-        except OSError as error:
-            raise PolspecError(f"{plots}: cannot write the plots: {error.strerror}") from None
-        for path in written:
-            click.echo(f"wrote {path}", err=True)
+
+def _write_plots(summary: SweepReport, plots: Path) -> list[Path]:
+    from polspec.report.plots import write_plots
+
+    try:
+        plots.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise PolspecError(f"{plots}: cannot make the plots directory: {error.strerror}") from None
+    try:
+        return write_plots(summary, plots)
+    except OSError as error:
+        raise PolspecError(f"{plots}: cannot write the plots: {error.strerror}") from None
+
+
+def _remove_new(plots: Path, before: set[Path] | None) -> None:
+    """Remove ``plots`` if it did not exist (``before`` is None), else the files in it that are
+    not in ``before``."""
+    if before is None:
+        if plots.is_dir():
+            shutil.rmtree(plots, ignore_errors=True)
+    elif plots.is_dir():
+        for path in set(plots.iterdir()) - before:
+            path.unlink(missing_ok=True)
