@@ -75,6 +75,18 @@ def test_an_export_follows_the_umask_and_replaces_a_file_whole(sqlite_env, batch
     assert sorted(path.name for path in tmp_path.iterdir()) == ["data", "wyniki.csv"]
 
 
+def test_an_output_of_a_dash_is_standard_output(sqlite_env, batch, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, output = cli(sqlite_env, "results", "export", str(batch), "--output", "-")
+    assert code == 0 and [json.loads(line)["status"] for line in output.splitlines()] == ["queued"] * 3
+    sweep = tmp_path / "sweep.toml"
+    sweep.write_text('target = "gemma3-270m"\ndrafts = ["smollm2-135m"]\ndatasets = [{ name = "pl-short", limit = 1 }]\n')
+    sweep_id = json.loads(cli(sqlite_env, "enqueue", "sweep", "--config", str(sweep), "--json")[1])["batch"]
+    code, output = cli(sqlite_env, "report", str(sweep_id), "--output", "-")
+    assert code == 0 and output.startswith(f"# Sweep {sweep_id}: ")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["data", "sweep.toml"]
+
+
 def test_an_output_that_cannot_be_written_is_one_line_and_leaves_nothing(sqlite_env, batch, tmp_path):
     blocker = tmp_path / "a-file"  # a file where a directory should be: refused even for root
     blocker.write_text("")

@@ -16,12 +16,25 @@ def db() -> None:
 
     Other commands upgrade the database automatically; the worker refuses to start on an
     out-of-date schema, so run `polspec db upgrade` after upgrading polspec.
+
+    \b
+    Examples:
+      polspec db current
+      POLSPEC_DB_URL=postgresql+psycopg://user@host/polspec polspec db upgrade
     """
 
 
 @db.command("upgrade")
 def upgrade_command() -> None:
-    """Upgrade the database to the schema this polspec needs."""
+    """Upgrade the database to the schema this polspec needs (creating it, and a SQLite file's
+    directory, where missing). One process migrates at a time, in one transaction: the upgrade
+    applies whole or not at all.
+
+    \b
+    Examples:
+      polspec db upgrade
+      POLSPEC_DB_URL=sqlite:////data/polspec.db polspec db upgrade
+    """
     before = current_revision()
     upgrade()
     after = current_revision()
@@ -34,7 +47,13 @@ def upgrade_command() -> None:
 @db.command("current")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object: url, current, head, up_to_date.")
 def current_command(as_json: bool) -> None:
-    """Show the database's schema revision and the one this polspec needs."""
+    """Show the database's schema revision and the one this polspec needs.
+
+    \b
+    Examples:
+      polspec db current
+      polspec db current --json | jq .up_to_date
+    """
     current, head = current_revision(), head_revision()
     if as_json:
         row = {"url": display_url(), "current": current, "head": head, "up_to_date": current == head}

@@ -19,8 +19,8 @@ if TYPE_CHECKING:
 @click.argument("sweep_id", type=int)
 @click.option("--format", "fmt", type=click.Choice(["md", "csv", "json"]), default="md", show_default=True,
               help="Markdown tables, or one row per cell as CSV or JSON.")
-@click.option("--output", type=click.Path(dir_okay=False, path_type=Path),
-              help="Write the report to this file (whole or not at all) instead of standard output.")
+@click.option("--output", type=click.Path(dir_okay=False, path_type=Path, allow_dash=True),
+              help="Write the report to this file (whole or not at all) instead of standard output (-).")
 @click.option("--plots", type=click.Path(file_okay=False, path_type=Path),
               help="Write PNG plots into this directory (created if missing).")
 def report(sweep_id: int, fmt: str, output: Path | None, plots: Path | None) -> None:
@@ -41,6 +41,8 @@ def report(sweep_id: int, fmt: str, output: Path | None, plots: Path | None) -> 
 
     with upgraded_database(create=False) as engine:
         summary = sweep_report(engine, sweep_id)
+    if output == Path("-"):
+        output = None
     text = {"md": markdown, "csv": csv_text, "json": json_text}[fmt](summary)
     # Plots first and the report last; on any failure the plots this run added are removed
     # again (with the directory, if it made it), so a bad plots directory or output leaves

@@ -22,7 +22,15 @@ SHOWN_PROMPT = 400
 
 @click.group()
 def results() -> None:
-    """Look at the stored results: every item of every batch, with its metrics (POLSPEC_DB_URL)."""
+    """Look at the stored results: every item of every batch, with its metrics (POLSPEC_DB_URL).
+
+    \b
+    Examples:
+      polspec results list --batch 3
+      polspec results show 3 q1
+      polspec results export 3 --format csv --output wyniki.csv
+      polspec results sql "SELECT status, count(*) FROM items GROUP BY status"
+    """
 
 
 @results.command("list")
@@ -72,7 +80,14 @@ def list_command(batch_id: int | None, status: str | None, limit: int, as_json: 
 @click.argument("item_id")
 @click.option("--json", "as_json", is_flag=True, help="Everything stored, as one JSON object.")
 def show_command(batch_id: int, item_id: str, as_json: bool) -> None:
-    """One item of a batch, by the id it was enqueued with: prompt, text, metrics, provenance."""
+    """One item of batch BATCH_ID by ITEM_ID, the id it was enqueued with (the prompt file's "id";
+    `polspec results list --batch BATCH_ID` lists them): prompt, text, metrics, provenance.
+
+    \b
+    Examples:
+      polspec results show 3 q1
+      polspec results show 3 q1 --json | jq .metrics
+    """
     from polspec.store.migrate import upgraded_database
     from polspec.store.queries import item_detail
 
@@ -105,7 +120,8 @@ def show_command(batch_id: int, item_id: str, as_json: bool) -> None:
 @results.command("export")
 @click.argument("batch_id", type=int)
 @click.option("--format", "fmt", type=click.Choice(["csv", "jsonl"]), default="jsonl", show_default=True)
-@click.option("--output", type=click.Path(dir_okay=False, path_type=Path), help="Write here instead of standard output.")
+@click.option("--output", type=click.Path(dir_okay=False, path_type=Path, allow_dash=True),
+              help="Write here instead of standard output (- is standard output).")
 def export_command(batch_id: int, fmt: str, output: Path | None) -> None:
     """Every item of a batch with its text and metrics, as CSV or JSONL (UTF-8).
 
@@ -123,7 +139,7 @@ def export_command(batch_id: int, fmt: str, output: Path | None) -> None:
     with upgraded_database(create=False) as engine:
         require_batch(engine, batch_id)  # an unknown batch is an error, not an empty file
         rows = item_rows(engine, batch_id)
-        if output is None:
+        if output is None or output == Path("-"):
             _write(sys.stdout, rows, fmt, EXPORT_COLUMNS, bom=False)
             return
         write_file_atomically(output, lambda handle: _write(handle, rows, fmt, EXPORT_COLUMNS, bom=fmt == "csv"))
@@ -147,7 +163,8 @@ def _write(handle, rows, fmt: str, columns: tuple[str, ...], bom: bool) -> None:
 @click.argument("query")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per row and line.")
 def sql_command(query: str, as_json: bool) -> None:
-    """Run one SQL query on a read-only connection (tables: batches, items, results).
+    """Run one SQL query on a read-only connection (tables: batches, items, results, and
+    cells for sweeps).
 
     \b
     Examples:
