@@ -75,15 +75,20 @@ def test_an_export_follows_the_umask_and_replaces_a_file_whole(sqlite_env, batch
     assert sorted(path.name for path in tmp_path.iterdir()) == ["data", "wyniki.csv"]
 
 
-def test_an_output_of_a_dash_is_standard_output(sqlite_env, batch, tmp_path, monkeypatch):
+def test_an_output_of_a_dash_is_standard_output_and_exports_say_what_decoded_each_item(sqlite_env, batch, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     code, output = cli(sqlite_env, "results", "export", str(batch), "--output", "-")
-    assert code == 0 and [json.loads(line)["status"] for line in output.splitlines()] == ["queued"] * 3
+    rows = [json.loads(line) for line in output.splitlines()]
+    assert code == 0 and [row["status"] for row in rows] == ["queued"] * 3
+    assert {(row["target"], row["draft"], row["k"], row["temperature"]) for row in rows} == {("gemma3-270m", None, 2, 0.0)}
     sweep = tmp_path / "sweep.toml"
     sweep.write_text('target = "gemma3-270m"\ndrafts = ["smollm2-135m"]\ndatasets = [{ name = "pl-short", limit = 1 }]\n')
     sweep_id = json.loads(cli(sqlite_env, "enqueue", "sweep", "--config", str(sweep), "--json")[1])["batch"]
     code, output = cli(sqlite_env, "report", str(sweep_id), "--output", "-")
     assert code == 0 and output.startswith(f"# Sweep {sweep_id}: ")
+    code, output = cli(sqlite_env, "results", "export", str(sweep_id))
+    cells = {(row["draft"], row["k"]) for row in map(json.loads, output.splitlines())}
+    assert code == 0 and cells == {(None, 2), ("smollm2-135m", 2)}  # the baseline and the one cell
     assert sorted(path.name for path in tmp_path.iterdir()) == ["data", "sweep.toml"]
 
 

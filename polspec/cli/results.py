@@ -123,7 +123,9 @@ def show_command(batch_id: int, item_id: str, as_json: bool) -> None:
 @click.option("--output", type=click.Path(dir_okay=False, path_type=Path, allow_dash=True),
               help="Write here instead of standard output (- is standard output).")
 def export_command(batch_id: int, fmt: str, output: Path | None) -> None:
-    """Every item of a batch with its text and metrics, as CSV or JSONL (UTF-8).
+    """Every item of a batch with its text and metrics, as CSV or JSONL (UTF-8): per item the
+    target and draft, the decoding settings (k, strategy, verify, temperature, top_p, top_k,
+    seed, max_tokens), the prompt, the text and why it ended, speed, acceptance and energy.
 
     A CSV file (--output) starts with a byte-order mark so that spreadsheets show Polish letters correctly;
     messages are a JSON string in their column. A file is written whole or not at all.

@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 
 from polspec.errors import PolspecError
 from polspec.store.engine import session_scope
-from polspec.store.schema import Batch, Item, Result, Status
+from polspec.store.schema import Batch, Cell, Item, Result, Status
 
 
 @dataclass
@@ -140,16 +140,20 @@ def busy_seconds(spans: Iterable[tuple[datetime, datetime]]) -> float:
     return busy
 
 
-EXPORT_COLUMNS = ("batch", "id", "status", "prompt", "messages", "text", "prompt_tokens", "generated_tokens",
-                  "decode_tokens_per_s", "batch_size", "acceptance_rate", "tokens_per_round", "energy_joules", "energy_source",
-                  "energy_unavailable_reason", "attempts", "error", "worker_host", "backend", "device",
-                  "finished_at")
+# What decoded each item, so that an export can be analysed (and rerun) on its own.
+ITEM_SETTINGS = ("k", "strategy", "verify", "temperature", "top_p", "top_k", "seed", "max_tokens")
+EXPORT_COLUMNS = ("batch", "id", "status", "target", "draft", *ITEM_SETTINGS, "prompt", "messages", "text",
+                  "finish_reason", "prompt_tokens", "generated_tokens", "decode_tokens_per_s", "batch_size",
+                  "acceptance_rate", "tokens_per_round", "energy_joules", "energy_source", "energy_unavailable_reason",
+                  "attempts", "error", "worker_host", "backend", "device", "finished_at")
 
 
 def item_rows(engine: Engine, batch_id: int | None = None, status: str | None = None,
               limit: int | None = None) -> Iterator[dict[str, Any]]:
     """One flat row per item (with its result when it has one), in batch and item order."""
-    query = (select(Item, Result).outerjoin(Result, Result.item_id == Item.id).order_by(Item.batch_id, Item.id))
+    query = (select(Item, Result, Batch.spec, Cell.config).join(Batch, Batch.id == Item.batch_id)
+             .outerjoin(Cell, Cell.id == Item.cell_id).outerjoin(Result, Result.item_id == Item.id)
+             .order_by(Item.batch_id, Item.id))
     if batch_id is not None:
         query = query.where(Item.batch_id == batch_id)
     if status is not None:
@@ -157,10 +161,13 @@ def item_rows(engine: Engine, batch_id: int | None = None, status: str | None = 
     if limit is not None:
         query = query.limit(limit)
     with session_scope(engine) as session:
-        for item, result in session.execute(query):
+        for item, result, spec, cell in session.execute(query):
             yield {
-                "batch": item.batch_id, "id": item.item_key, "status": item.status, "prompt": item.prompt,
-                "messages": item.messages, "text": result.text if result else None,
+                "batch": item.batch_id, "id": item.item_key, "status": item.status, "target": spec.get("target"),
+                "draft": cell["draft"] if cell is not None else spec.get("draft"),
+                **{name: item.params.get(name) for name in ITEM_SETTINGS},
+                "prompt": item.prompt, "messages": item.messages, "text": result.text if result else None,
+                "finish_reason": result.metrics.get("finish_reason") if result else None,
                 "prompt_tokens": result.prompt_tokens if result else None,
                 "generated_tokens": result.generated_tokens if result else None,
                 "decode_tokens_per_s": result.decode_tokens_per_s if result else None,
