@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 @click.option("--format", "fmt", type=click.Choice(["md", "csv", "json"]), default="md", show_default=True,
               help="Markdown tables, or one row per cell as CSV or JSON.")
 @click.option("--output", type=click.Path(dir_okay=False, path_type=Path, allow_dash=True),
-              help="Write the report to this file (whole or not at all) instead of standard output (-).")
+              help="Write the report to this file (whole or not at all); without it, or with -, to standard output.")
 @click.option("--plots", type=click.Path(file_okay=False, path_type=Path),
               help="Write PNG plots into this directory (created if missing).")
 def report(sweep_id: int, fmt: str, output: Path | None, plots: Path | None) -> None:

@@ -121,7 +121,7 @@ def show_command(batch_id: int, item_id: str, as_json: bool) -> None:
 @click.argument("batch_id", type=int)
 @click.option("--format", "fmt", type=click.Choice(["csv", "jsonl"]), default="jsonl", show_default=True)
 @click.option("--output", type=click.Path(dir_okay=False, path_type=Path, allow_dash=True),
-              help="Write here instead of standard output (- is standard output).")
+              help="Write to this file (whole or not at all); without it, or with -, to standard output.")
 def export_command(batch_id: int, fmt: str, output: Path | None) -> None:
     """Every item of a batch with its text and metrics, as CSV or JSONL (UTF-8): per item the
     target and draft, the decoding settings (k, strategy, verify, temperature, top_p, top_k,

@@ -86,7 +86,7 @@ def _table(batches: list[BatchProgress]) -> Table | str:
     for batch in batches:
         share = batch.finished / batch.total if batch.total else 0.0
         bar = "█" * round(share * 12) + "░" * (12 - round(share * 12))
-        models = " + ".join([batch.target, ", ".join(batch.drafts)] if batch.drafts else [batch.target])
+        models = batch.target + (" + " + ", ".join(batch.drafts) if batch.drafts else "")
         table.add_row(str(batch.id), batch.kind, batch.name or "", batch.status, models, f"{bar} {share:4.0%}",
                       *(str(batch.counts.get(s, 0)) for s in ("done", "failed", "running", "queued")),
                       _rate(batch.aggregate_tokens_per_s), _rate(batch.tokens_per_s), _duration(batch.eta_s))
