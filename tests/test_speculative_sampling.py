@@ -66,6 +66,14 @@ def test_the_sampler_distribution_is_the_same_with_numpy_or_mlx_computing_exp(mo
         np.testing.assert_allclose(computed[True], tempered_top_k(logits, temperature, top_k), rtol=1e-4, atol=1e-12)
 
 
+@pytest.mark.parametrize("top_k", [262_144, 300_000])
+def test_a_top_k_of_the_vocabulary_or_more_keeps_every_token(top_k):
+    logits = np.random.default_rng(1).normal(0, 3, (2, 262_144)).astype(np.float32)
+    logits[:, :5] += 20  # as in the test above: float32 sums over a flat 262k row drift by 1e-4
+    computed = sampling_probabilities(mx.array(logits), DecodingParams(temperature=0.7, top_k=top_k))
+    np.testing.assert_allclose(np.array(computed), tempered_top_k(logits, 0.7, 0), rtol=1e-4, atol=1e-12)
+
+
 def test_a_draw_in_proportion_follows_the_weights_and_never_draws_a_zero_weight():
     weights = np.array([0.0, 5.0, 0.0, 2.0, 3.0, 0.0])  # unnormalized; the last index weighs nothing
     drawn = np.array(draw_in_proportion(mx.broadcast_to(mx.array(weights), (DRAWS, 6)), mx.random.key(1)))
@@ -212,6 +220,15 @@ def test_speculative_sampling_keeps_the_target_distribution_through_split_words(
     statistic, df = goodness_of_fit(sequences, bins)
     assert df >= 3, f"too few likely sequences to test the distribution: {bins}"
     assert statistic < chi_square_critical(df), (statistic, df, Counter(map(tuple, sequences)).most_common(5))
+
+
+@pytest.mark.slow
+def test_a_top_k_larger_than_the_pruned_draft_vocabulary_drafts_from_all_of_it(gemma3, smollm2):
+    """smollm2-135m drafts from its 16,384 most frequent tokens; top-k 20,000 (under Gemma-3's
+    262k) then keeps every one of them."""
+    params = DecodingParams(seed=1, max_tokens=6, temperature=0.7, top_k=20_000, k=2, verify="tli")
+    result = generate(gemma3, smollm2, "Stolicą Polski jest Warszawa, która", params, chat=False)
+    assert result.metrics.verify == "tli" and result.metrics.draft_tokens > 0 and len(result.token_ids) == 6
 
 
 @pytest.mark.slow

@@ -24,15 +24,17 @@ def sampling_probabilities(logits: mx.array, params: DecodingParams) -> mx.array
     sampled decoder draws from at ``params.temperature > 0``: top-p and top-k on the model's
     probabilities, then the temperature. Speculative sampling needs this distribution itself,
     not just a draw from it. Without top-p or top-k it takes one :func:`exp` over the
-    vocabulary, after the temperature; with them, one more before."""
+    vocabulary, after the temperature; with them, one more before. A ``top_k`` of the vocabulary
+    or more keeps every token (a draft's pruned vocabulary can be smaller than the target's)."""
     scores = logits.astype(mx.float32)
-    if params.top_p < 1 or params.top_k > 0:
+    top_k = params.top_k if params.top_k < logits.shape[-1] else 0
+    if params.top_p < 1 or top_k > 0:
         shifted = scores - scores.max(axis=-1, keepdims=True)
         scores = shifted - mx.log(exp(shifted).sum(axis=-1, keepdims=True))
     if params.top_p < 1:
         scores = nucleus(scores, params.top_p)
-    if params.top_k > 0:
-        scores = apply_top_k(scores, params.top_k)
+    if top_k > 0:
+        scores = apply_top_k(scores, top_k)
     weights = exp((scores - scores.max(axis=-1, keepdims=True)) * (1.0 / params.temperature))
     return weights / weights.sum(axis=-1, keepdims=True)
 
