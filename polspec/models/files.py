@@ -54,7 +54,7 @@ def is_imported(sha256: str) -> bool:
 def import_gguf_file(path: Path, expected_sha256: str | None = None, progress: ProgressFn = no_progress) -> Path:
     """Import a GGUF file into the cache (once per distinct file content) and return the directory."""
     if not path.is_file():
-        raise PolspecError(f"{path}: {'a directory, not' if path.is_dir() else 'no such'} GGUF file")
+        raise PolspecError(f"{path}: {'a directory, not a' if path.is_dir() else 'no such'} GGUF file")
     sha256 = file_sha256(path)
     if expected_sha256 and sha256 != expected_sha256.lower():
         raise PolspecError(f"{path}: sha256 mismatch: expected {expected_sha256}, got {sha256}")

@@ -159,4 +159,6 @@ def add_user_model(entry: ModelEntry, user_file: Path | None = None) -> None:
 
 
 def _toml_string(value: str) -> str:
-    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    """``value`` as a TOML basic string: backslashes, quotes and control characters escaped."""
+    escaped = value.replace("\\", "\\\\").replace('"', '\\"')
+    return '"' + "".join(f"\\u{ord(char):04x}" if char < " " or char == "\x7f" else char for char in escaped) + '"'
