@@ -40,10 +40,11 @@ def test_an_unknown_batch_is_an_error_for_every_command_that_takes_one(sqlite_en
     assert code == 1 and f"batch {batch} has no item 'nosuch'" in output
 
 
-def test_reading_a_database_file_that_does_not_exist_creates_nothing(sqlite_env, tmp_path):
+def test_reading_or_changing_a_database_file_that_does_not_exist_creates_nothing(sqlite_env, tmp_path):
     missing = tmp_path / "typo" / "polspec.db"
     env = dict(sqlite_env, POLSPEC_DB_URL=f"sqlite:///{missing}")
-    for args in (["status"], ["results", "list"], ["results", "sql", "SELECT 1"], ["report", "1"]):
+    for args in (["status"], ["results", "list"], ["results", "sql", "SELECT 1"], ["report", "1"], ["cancel", "1"],
+                 ["recover"], ["retry", "1", "--failed"]):
         code, output = cli(env, *args)
         assert code == 1 and output.count("\n") == 1, args
         assert f"database sqlite:///{missing}: no such file, nothing has been stored there" in output

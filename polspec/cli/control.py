@@ -16,12 +16,13 @@ if TYPE_CHECKING:
 @contextmanager
 def _connections() -> Iterator[tuple[Engine, Redis]]:
     """The upgraded results database and a checked Redis connection (Redis first: nothing is
-    touched when it is unreachable)."""
+    touched when it is unreachable). The batches these commands act on must exist, so a database
+    file that does not is an error, not a new one."""
     from polspec.jobs.queue import connect
     from polspec.store.migrate import upgraded_database
 
     connection = connect()
-    with upgraded_database() as engine:
+    with upgraded_database(create=False) as engine:
         yield engine, connection
 
 
