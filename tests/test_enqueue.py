@@ -89,6 +89,19 @@ def test_enqueue_writes_batch_items_and_one_job_each(env, tmp_path):
     assert json.loads(zlib.decompress(raw))[2] == [database_id(make_engine(env["POLSPEC_DB_URL"])), ids["b"]]
 
 
+def test_policy_and_choice_names_are_read_in_any_case(env):
+    code, output = invoke(env, "--dataset", "pl-short", "--limit", "1", "--draft", "smollm2-135m", "--k", "AUTO",
+                          "--strategy", "Context", "--verify", "TLI", "--partial-word", "HOLD", "--draft-vocab", "Full",
+                          "--json")
+    assert code == 0, output
+    engine = make_engine(env["POLSPEC_DB_URL"])
+    with session_scope(engine) as session:
+        params = session.get(Batch, json.loads(output)["batch"]).spec["params"]
+    engine.dispose()
+    assert (params["k"], params["strategy"], params["verify"], params["partial_word"], params["draft_vocab"]) == (
+        "auto", "context", "tli", "hold", "full")
+
+
 def test_same_name_adds_only_new_ids(env, tmp_path):
     source = write_jsonl(tmp_path / "p.jsonl", GOOD)
     assert invoke(env, "--input", str(source), "--name", "nightly", "--target", "smollm2-135m")[0] == 0

@@ -162,6 +162,8 @@ def test_cancel_drops_queued_items_and_their_jobs(env, tmp_path):
     code, output = cli(env, "cancel", str(batch))
     assert code == 0 and "4 queued items dropped" in output
     assert queue.count == 0
+    code, output = cli(env, "cancel", str(batch))
+    assert code == 0 and output == f"batch {batch} was cancelled already; polspec retry {batch} --cancelled resumes it\n"
     assert not work(env)
     assert {item.status for item, _ in results_by_key(env).values()} == {"cancelled"}
     code, output = cli(env, "recover")

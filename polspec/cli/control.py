@@ -65,7 +65,10 @@ def cancel(batch_id: int) -> None:
     from polspec.jobs.control import cancel as cancel_batch
 
     with _connections() as (engine, connection):
-        count = cancel_batch(engine, connection, batch_id)
+        count, already = cancel_batch(engine, connection, batch_id)
+    if already and not count:
+        click.echo(f"batch {batch_id} was cancelled already; polspec retry {batch_id} --cancelled resumes it")
+        return
     click.echo(f"batch {batch_id} cancelled ({count} queued items dropped)")
 
 

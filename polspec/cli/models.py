@@ -46,7 +46,7 @@ def _entry_row(entry: ModelEntry | TokenizerEntry) -> dict:
     return {
         "alias": entry.alias,
         "kind": kind,
-        "source": entry.source.split(":", 1)[0],
+        "source": entry.source,
         "architecture": arch,
         "tokenizer_family": entry.tokenizer_family,
         "chat_template": chat,
@@ -71,7 +71,7 @@ def list_models(as_json: bool) -> None:
         column.no_wrap = True
     for row in rows:
         table.add_row(
-            row["alias"], row["kind"], row["source"], row["architecture"], row["tokenizer_family"],
+            row["alias"], row["kind"], row["source"].split(":", 1)[0], row["architecture"], row["tokenizer_family"],
             "yes" if row["chat_template"] else "", Text("yes", style="green") if row["cached"] else "no",
         )
     output_console().print(table)

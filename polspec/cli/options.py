@@ -20,8 +20,10 @@ class NumberOrName(click.ParamType):
         self.name = "N|" + "|".join(names)
 
     def convert(self, value, param, ctx):
-        if isinstance(value, int) or value in self.names:
+        if isinstance(value, int):
             return value
+        if value.lower() in self.names:
+            return value.lower()
         try:
             return int(value)
         except ValueError:
@@ -37,10 +39,12 @@ _OPTIONS = [
                       "confidence (stops when the draft is unsure), auto (from this machine's cost model, "
                       "see polspec models probe; plain decoding when speculation cannot pay; longer "
                       "while the draft is sure of its tokens)."),
-    click.option("--strategy", default="aligned", show_default=True, type=click.Choice(STRATEGIES),
+    click.option("--strategy", default="aligned", show_default=True,
+                 type=click.Choice(STRATEGIES, case_sensitive=False),
                  help="How draft tokens become target tokens when the tokenizers differ."),
     click.option("--prefix", default=5, show_default=True, type=int, help="Committed target tokens of context for translation."),
-    click.option("--partial-word", default="verify", show_default=True, type=click.Choice(PARTIAL_WORD),
+    click.option("--partial-word", default="verify", show_default=True,
+                 type=click.Choice(PARTIAL_WORD, case_sensitive=False),
                  help="aligned only: verify the tokens of a word (or trailing whitespace) the draft stopped inside "
                       "(one more position in the same forward), or hold them for the next round (fewer rejected "
                       "candidates)."),
@@ -54,7 +58,7 @@ _OPTIONS = [
     click.option("--top-k", default=0, show_default=True, type=int, help="Sample among the k likeliest tokens (0: off)."),
     click.option("--seed", type=int,
                  help="Random seed for sampling, 0 to 2**63 - 1 (default: a new random one each run)."),
-    click.option("--verify", default="auto", show_default=True, type=click.Choice(VERIFY),
+    click.option("--verify", default="auto", show_default=True, type=click.Choice(VERIFY, case_sensitive=False),
                  help="When sampling: tli (speculative sampling over the tokens both vocabularies share: the draft "
                       "samples, the target accepts with probability min(1, p/q); keeps acceptance up as the "
                       "temperature rises), exact (a candidate counts only where the target samples the same token), "
@@ -91,7 +95,11 @@ def note_if_the_draft_is_the_target(target: str, draft: str) -> None:
     but each draft token costs a target step, so speculation can only lose."""
     from polspec.models.registry import load_registry
 
+    if draft == "none":
+        return
     registry = load_registry()
-    if draft != "none" and registry.model(draft).source == registry.model(target).source:
+    ours, theirs = registry.model(target), registry.model(draft)
+    # One GGUF file's bytes under two aliases (an import of a registered model) are one model too.
+    if (ours.sha256 or ours.source) == (theirs.sha256 or theirs.source):
         click.echo(f"note: the draft {draft} is the target's own model: its guesses cost as much as the "
                    "target's steps, so --draft none is faster", err=True)

@@ -17,7 +17,8 @@ if TYPE_CHECKING:
 
 @click.command()
 @click.argument("sweep_id", type=int)
-@click.option("--format", "fmt", type=click.Choice(["md", "csv", "json"]), default="md", show_default=True,
+@click.option("--format", "fmt", type=click.Choice(["md", "csv", "json"], case_sensitive=False), default="md",
+              show_default=True,
               help="Markdown tables, or one row per cell as CSV or JSON.")
 @click.option("--output", type=click.Path(dir_okay=False, path_type=Path, allow_dash=True),
               help="Write the report to this file (whole or not at all); without it, or with -, to standard output.")

@@ -35,7 +35,8 @@ def results() -> None:
 
 @results.command("list")
 @click.option("--batch", "batch_id", type=int, help="Only this batch.")
-@click.option("--status", type=click.Choice([status.value for status in Status]), help="Only items in this state.")
+@click.option("--status", type=click.Choice([status.value for status in Status], case_sensitive=False),
+              help="Only items in this state.")
 @click.option("--limit", default=20, show_default=True, type=click.IntRange(min=0),
               help="Show at most N items (0: all).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per item and line.")
@@ -119,7 +120,8 @@ def show_command(batch_id: int, item_id: str, as_json: bool) -> None:
 
 @results.command("export")
 @click.argument("batch_id", type=int)
-@click.option("--format", "fmt", type=click.Choice(["csv", "jsonl"]), default="jsonl", show_default=True)
+@click.option("--format", "fmt", type=click.Choice(["csv", "jsonl"], case_sensitive=False), default="jsonl",
+              show_default=True)
 @click.option("--output", type=click.Path(dir_okay=False, path_type=Path, allow_dash=True),
               help="Write to this file (whole or not at all); without it, or with -, to standard output.")
 def export_command(batch_id: int, fmt: str, output: Path | None) -> None:

@@ -32,7 +32,8 @@ class BatchSize(click.ParamType):
 @click.option("--queue", "queues", multiple=True, metavar="MODEL|QUEUE",
               help="Serve only this target model's queue (repeatable). Default: the queue of every known model.")
 @click.option("--log-level", default="WARNING", show_default=True,
-              type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]), help="RQ's log output on stderr.")
+              type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
+              help="RQ's log output on stderr.")
 @click.option("--heartbeat-interval", default=HEARTBEAT_INTERVAL_S, hidden=True, type=click.IntRange(1),
               help="Seconds between heartbeats while a job runs.")
 @click.option("--heartbeat-grace", default=HEARTBEAT_GRACE_S, hidden=True, type=click.IntRange(1),

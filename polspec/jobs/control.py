@@ -101,14 +101,16 @@ def _requeue_abandoned(engine: Engine, item: Item) -> bool:
             .values(status=Status.QUEUED.value, last_error="worker stopped while running it")).rowcount == 1
 
 
-def cancel(engine: Engine, connection: redis.Redis | None, batch_id: int) -> int:
+def cancel(engine: Engine, connection: redis.Redis | None, batch_id: int) -> tuple[int, bool]:
     """Cancel a batch: its queued items are cancelled and their jobs removed; running ones stop
-    at their next round (the worker checks). Returns the number of items cancelled now. A
-    finished batch is refused: marking it cancelled would only hide that it finished."""
+    at their next round (the worker checks). Returns the number of items cancelled now, and
+    whether the batch was cancelled already. A finished batch is refused: marking it cancelled
+    would only hide that it finished."""
     with session_scope(engine) as session:
         batch = find_batch(session, batch_id)
         if batch.status in (Status.DONE.value, Status.FAILED.value):
             raise PolspecError(f"batch {batch_id} has finished ({batch.status}); there is nothing to cancel")
+        already = batch.status == Status.CANCELLED.value
         batch.status = Status.CANCELLED.value
         ids = list(session.scalars(select(Item.id).where(Item.batch_id == batch_id,
                                                          Item.status == Status.QUEUED.value)))
@@ -117,7 +119,7 @@ def cancel(engine: Engine, connection: redis.Redis | None, batch_id: int) -> int
     if connection is not None and ids:
         db_id = database_id(engine)
         delete_jobs(connection, [job_id(db_id, item_id) for item_id in ids])
-    return len(ids)
+    return len(ids), already
 
 
 def retry(engine: Engine, connection: redis.Redis, batch_id: int, statuses: tuple[Status, ...]) -> int:
