@@ -164,6 +164,7 @@ def test_generate_streams_greedy_polish_and_reports_json(gemma3):
 @pytest.mark.parametrize("args, message", [
     (["generate", "   "], "polspec: error: the prompt is empty"),
     (["generate", "x", "--target", "gemma-270m"], "polspec: error: unknown model alias 'gemma-270m'; did you mean gemma3-270m"),
+    (["generate", "x", "--target", "GEMMA3-270M"], "polspec: error: unknown model alias 'GEMMA3-270M'; did you mean gemma3-270m"),
     # The draft is checked before the target loads (this test has no models to load).
     (["generate", "x", "--target", "gemma3-270m", "--draft", "smollm"], "polspec: error: unknown model alias 'smollm'"),
     (["generate", "x", "--temperature", "0.7", "--seed", "-3"], "polspec: error: --seed must be between 0 and"),

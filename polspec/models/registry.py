@@ -79,7 +79,8 @@ class Registry:
 
 
 def _unknown(kind: str, alias: str, known: list[str]) -> str:
-    close = difflib.get_close_matches(alias, known, n=3, cutoff=0.5)
+    by_lower = {name.lower(): name for name in known}
+    close = [by_lower[name] for name in difflib.get_close_matches(alias.lower(), list(by_lower), n=3, cutoff=0.5)]
     hint = f"; did you mean {', '.join(close)}?" if close else f"; known: {', '.join(sorted(known))}"
     return f"unknown {kind} alias {alias!r}{hint} (polspec models list shows them all)"
 
