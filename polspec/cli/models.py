@@ -175,8 +175,8 @@ def probe(target: str, draft: str, repeats: int, as_json: bool) -> None:
     (translation per round / target step), then shows the acceptance each k
     needs to beat target-only decoding. The batch table repeats the forwards over B = 1, 2,
     4, 8, 16 sequences at once: batched speculation must beat batched plain decoding, and
-    its break-even acceptance rises with B as the spare compute per weight read runs out. `--k auto` uses the stored probe (and measures one on
-    first use). Last, the share of the target's tokens on Polish text that the draft can propose
+    its break-even acceptance rises with B as the spare compute per weight read runs out.
+    `--k auto` uses the stored probe (and measures one on first use). Last, the share of the target's tokens on Polish text that the draft can propose
     under speculative sampling (`--verify tli`), which caps its acceptance when sampling.
 
     \b
@@ -204,7 +204,8 @@ def probe(target: str, draft: str, repeats: int, as_json: bool) -> None:
         click.echo(json.dumps(result.as_dict() | {"polish_coverage": coverage}))
         return
     click.echo(f"{target} with draft {draft} on {result.machine['key']}: target step {result.target_step_s * 1e3:.1f} ms, "
-               f"draft step {result.draft_step_s * 1e3:.1f} ms, c = {result.c:.3f}, tau = {result.tau:.3f}")
+               f"draft step {result.draft_step_s * 1e3:.1f} ms, c = {result.c:.3f}, d = {result.draft_overhead:.3f}, "
+               f"tau = {result.tau:.3f}")
     click.echo("rho(m), m = 1..9: " + " ".join(f"{value:.2f}" for value in result.rho))
     table = Table(title="predicted speedup over target-only decoding")
     for heading in ("k", "break-even acceptance", "S at a=0.4", "S at a=0.6", "S at a=0.8"):
