@@ -75,6 +75,12 @@ def test_an_export_follows_the_umask_and_replaces_a_file_whole(sqlite_env, batch
     assert [json.loads(line)["status"] for line in target.read_text(encoding="utf-8").splitlines()] == ["queued"] * 3
     assert sorted(path.name for path in tmp_path.iterdir()) == ["data", "wyniki.csv"]
 
+    link = tmp_path / "latest.jsonl"
+    link.symlink_to(target)
+    code, _ = cli(sqlite_env, "results", "export", str(batch), "--output", str(link))
+    assert code == 0 and link.is_symlink() and len(target.read_text(encoding="utf-8").splitlines()) == 3
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["data", "latest.jsonl", "wyniki.csv"]
+
 
 def test_an_output_of_a_dash_is_standard_output_and_exports_say_what_decoded_each_item(sqlite_env, batch, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
