@@ -163,6 +163,7 @@ def test_generate_streams_greedy_polish_and_reports_json(gemma3):
 
 @pytest.mark.parametrize("args, message", [
     (["generate", "   "], "polspec: error: the prompt is empty"),
+    (["generate", "Krak\udcf3w"], "polspec: error: the prompt is not UTF-8: byte 0xf3 at character 5"),  # Latin-2 ó
     (["generate", "x", "--target", "gemma-270m"], "polspec: error: unknown model alias 'gemma-270m'; did you mean gemma3-270m"),
     (["generate", "x", "--target", "GEMMA3-270M"], "polspec: error: unknown model alias 'GEMMA3-270M'; did you mean gemma3-270m"),
     # The draft is checked before the target loads (this test has no models to load).

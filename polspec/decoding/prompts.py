@@ -28,11 +28,17 @@ def check_prompt(prompt: Prompt) -> None:
 
 def check_text(text: str, what: str) -> None:
     """Refuse a string that is not text: JSON's ``\\ud800`` escapes decode to lone UTF-16
-    surrogates, which no tokenizer or database can store."""
+    surrogates, which no tokenizer or database can store. Python passes on a command-line
+    argument's bytes that are not UTF-8 as surrogates U+DC80-U+DCFF: those are named as the
+    bytes they stand for."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as error:
-        raise PolspecError(f"{what} holds a lone surrogate {text[error.start]!r} at character {error.start + 1}, "
+        char = text[error.start]
+        if "\udc80" <= char <= "\udcff":
+            raise PolspecError(f"{what} is not UTF-8: byte 0x{ord(char) - 0xdc00:02x} at character "
+                               f"{error.start + 1}") from None
+        raise PolspecError(f"{what} holds a lone surrogate {char!r} at character {error.start + 1}, "
                            "which is not text") from None
 
 
