@@ -100,6 +100,12 @@ def test_policy_and_choice_names_are_read_in_any_case(env):
     engine.dispose()
     assert (params["k"], params["strategy"], params["verify"], params["partial_word"], params["draft_vocab"]) == (
         "auto", "context", "tli", "hold", "full")
+    code, output = invoke(env, "--dataset", "pl-short", "--limit", "1", "--draft", "NONE", "--json")
+    assert code == 0, output
+    engine = make_engine(env["POLSPEC_DB_URL"])
+    with session_scope(engine) as session:
+        assert session.get(Batch, json.loads(output)["batch"]).spec["draft"] is None
+    engine.dispose()
 
 
 def test_same_name_adds_only_new_ids(env, tmp_path):

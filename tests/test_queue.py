@@ -112,6 +112,9 @@ def test_twelve_prompts_end_to_end_with_exports(any_db_env, tmp_path, gemma3):
         assert from_jsonl[key]["text"] == from_csv[key]["text"] == result.text
         assert from_jsonl[key]["prompt"] == item.prompt and from_jsonl[key]["messages"] == item.messages
         assert float(from_csv[key]["acceptance_rate"]) == pytest.approx(result.acceptance_rate)
+        # What decoded it: greedy, so the requested verify=auto ran as exact match.
+        assert (from_jsonl[key]["draft"], from_jsonl[key]["k"], from_jsonl[key]["verify"]) == ("smollm2-135m", 2, "exact")
+        assert from_jsonl[key]["finish_reason"] == result.metrics["finish_reason"]
     assert from_csv["q02"]["prompt"] == "Kto napisał „Pana Tadeusza”?"
 
     code, output = cli(env, "results", "sql", "SELECT count(*) AS n FROM results", "--json")

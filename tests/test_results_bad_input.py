@@ -16,6 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 from polspec.cli import main
+from polspec.store.migrate import downgrade
 
 
 def cli(env: dict[str, str], *args: str) -> tuple[int, str]:
@@ -87,7 +88,8 @@ def test_an_output_of_a_dash_is_standard_output_and_exports_say_what_decoded_eac
     code, output = cli(sqlite_env, "results", "export", str(batch), "--output", "-")
     rows = [json.loads(line) for line in output.splitlines()]
     assert code == 0 and [row["status"] for row in rows] == ["queued"] * 3
-    assert {(row["target"], row["draft"], row["k"], row["temperature"]) for row in rows} == {("gemma3-270m", None, 2, 0.0)}
+    settings = {(row["target"], row["draft"], row["k"], row["temperature"]) for row in rows}
+    assert settings == {("gemma3-270m", None, None, 0.0)}  # target-only: no k
     sweep = tmp_path / "sweep.toml"
     sweep.write_text('target = "gemma3-270m"\ndrafts = ["smollm2-135m"]\ndatasets = [{ name = "pl-short", limit = 1 }]\n')
     sweep_id = json.loads(cli(sqlite_env, "enqueue", "sweep", "--config", str(sweep), "--json")[1])["batch"]
@@ -95,8 +97,10 @@ def test_an_output_of_a_dash_is_standard_output_and_exports_say_what_decoded_eac
     assert code == 0 and output.startswith(f"# Sweep {sweep_id}: ")
     code, output = cli(sqlite_env, "results", "export", str(sweep_id))
     cells = {(row["draft"], row["k"]) for row in map(json.loads, output.splitlines())}
-    assert code == 0 and cells == {(None, 2), ("smollm2-135m", 2)}  # the baseline and the one cell
+    assert code == 0 and cells == {(None, None), ("smollm2-135m", 2)}  # the baseline and the one cell
     assert sorted(path.name for path in tmp_path.iterdir()) == ["data", "sweep.toml"]
+    code, _ = cli(sqlite_env, "results", "export", str(batch), "--output", "./-")  # a file named "-", asked for
+    assert code == 0 and len((tmp_path / "-").read_text(encoding="utf-8").splitlines()) == 3
 
 
 def test_an_output_that_cannot_be_written_is_one_line_and_leaves_nothing(sqlite_env, batch, tmp_path):
@@ -225,3 +229,11 @@ def test_reading_a_database_of_other_tables_adds_nothing_to_it(sqlite_env, tmp_p
         assert f"database sqlite:///{shop} holds tables that are not polspec's (customers) and none of polspec's" in output
     with sqlite3.connect(shop) as connection:
         assert connection.execute("SELECT name FROM sqlite_master").fetchall() == [("customers",)]
+        assert connection.execute("PRAGMA journal_mode").fetchone() == ("delete",)  # not switched to WAL
+
+
+def test_a_database_downgraded_to_base_is_polspecs_and_empty(sqlite_env):
+    assert cli(sqlite_env, "db", "upgrade")[0] == 0
+    downgrade(sqlite_env["POLSPEC_DB_URL"], "base")  # leaves an empty alembic_version table
+    code, output = cli(sqlite_env, "status")
+    assert code == 0 and "no batches yet" in output

@@ -526,11 +526,11 @@ def test_each_result_is_predicted_with_the_probe_of_the_machine_that_ran_it():
     assert predicted_speedup_of_cell("auto", auto, None) == pytest.approx(expected_auto)
 
 
-
 def test_a_batched_cell_is_predicted_and_broken_even_with_the_costs_at_its_batch_size():
     """At B = 4 a round costs what the probe's batch table says for four sequences, in plain
     steps of four: verifying three positions a row costs 1.5 plain steps there against 1.2
-    alone (the spare compute runs out), so the same acceptance predicts less and breaks even later."""
+    alone (the spare compute runs out), so the same acceptance predicts less and breaks even
+    later."""
     table = (BatchCost(1, (0.10, 0.11, 0.12, 0.14, 0.18), 0.05), BatchCost(4, (0.16, 0.20, 0.24, 0.32, 0.48), 0.08))
     probe = Probe("qwen2.5-coder-1.5b", "gemma3-270m", c=0.5, rho=(1.0, 1.1, 1.2, 1.4), tau=0.01,
                   target_step_s=0.10, draft_step_s=0.05, batch=table)
@@ -546,6 +546,7 @@ def test_a_batched_cell_is_predicted_and_broken_even_with_the_costs_at_its_batch
         assert row.break_even_acceptance == pytest.approx(break_even_acceptance(at, 2))
     assert rows[4].predicted_speedup < rows[1].predicted_speedup
     assert rows[4].break_even_acceptance > rows[1].break_even_acceptance
+
 
 @pytest.mark.slow
 def test_a_sweep_over_batch_sizes_decodes_each_cell_in_its_batches_and_reports_throughput(env, tmp_path):

@@ -32,7 +32,9 @@ class NumberOrName(click.ParamType):
 
 _OPTIONS = [
     click.option("--target", default=DEFAULT_TARGET, show_default=True, help="Model alias whose output you get."),
-    click.option("--draft", default="none", show_default=True, help="Draft model alias, or none for target-only decoding."),
+    click.option("--draft", default="none", show_default=True,
+                 callback=lambda ctx, param, value: "none" if value.lower() == "none" else value,
+                 help="Draft model alias, or none for target-only decoding."),
     click.option("--k", "k", default="2", show_default=True,
                  type=NumberOrName(K_POLICIES, f"a number from 1 to {MAX_K}"),
                  help="Draft tokens per round, or a policy: heuristic (adapts to acceptance), "

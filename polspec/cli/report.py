@@ -20,11 +20,11 @@ if TYPE_CHECKING:
 @click.option("--format", "fmt", type=click.Choice(["md", "csv", "json"], case_sensitive=False), default="md",
               show_default=True,
               help="Markdown tables, or one row per cell as CSV or JSON.")
-@click.option("--output", type=click.Path(dir_okay=False, path_type=Path, allow_dash=True),
+@click.option("--output", type=click.Path(dir_okay=False, allow_dash=True),
               help="Write the report to this file (whole or not at all); without it, or with -, to standard output.")
 @click.option("--plots", type=click.Path(file_okay=False, path_type=Path),
               help="Write PNG plots into this directory (created if missing).")
-def report(sweep_id: int, fmt: str, output: Path | None, plots: Path | None) -> None:
+def report(sweep_id: int, fmt: str, output: str | None, plots: Path | None) -> None:
     """The report of sweep SWEEP_ID (the batch id `polspec enqueue sweep` printed; `polspec
     status` lists them). Per dataset, draft, strategy and k (and temperature and verify where the
     sweep varies them): acceptance per candidate and per draft token, tokens per round, tokens/s, speedup over
@@ -42,24 +42,23 @@ def report(sweep_id: int, fmt: str, output: Path | None, plots: Path | None) -> 
 
     with upgraded_database(create=False) as engine:
         summary = sweep_report(engine, sweep_id)
-    if output == Path("-"):
-        output = None
+    destination = None if output in (None, "-") else Path(output)
     text = {"md": markdown, "csv": csv_text, "json": json_text}[fmt](summary)
     # Plots first and the report last; on any failure the plots this run added are removed
-    # again (with the directory, if it made it), so a bad plots directory or output leaves
-    # nothing new behind.
+    # again (with the plots directory, if it made it). Plots it overwrote stay overwritten.
     before = set(plots.iterdir()) if plots is not None and plots.is_dir() else None
     try:
         written = _write_plots(summary, plots) if plots is not None else []
-        if output is None:
+        if destination is None:
             click.echo(text)
         else:
-            write_file_atomically(output, lambda handle: handle.write(text + ("" if text.endswith("\n") else "\n")))
+            write_file_atomically(destination,
+                                  lambda handle: handle.write(text + ("" if text.endswith("\n") else "\n")))
     except BaseException:
         if plots is not None:
             _remove_new(plots, before)
         raise
-    for path in [*written, *([output] if output is not None else [])]:
+    for path in [*written, *([destination] if destination is not None else [])]:
         click.echo(f"wrote {path}", err=True)
     if not summary.rows:
         click.echo(f"sweep {sweep_id} has no results yet ({summary.done} of {summary.total} generations done), "

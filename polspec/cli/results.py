@@ -122,9 +122,9 @@ def show_command(batch_id: int, item_id: str, as_json: bool) -> None:
 @click.argument("batch_id", type=int)
 @click.option("--format", "fmt", type=click.Choice(["csv", "jsonl"], case_sensitive=False), default="jsonl",
               show_default=True)
-@click.option("--output", type=click.Path(dir_okay=False, path_type=Path, allow_dash=True),
+@click.option("--output", type=click.Path(dir_okay=False, allow_dash=True),
               help="Write to this file (whole or not at all); without it, or with -, to standard output.")
-def export_command(batch_id: int, fmt: str, output: Path | None) -> None:
+def export_command(batch_id: int, fmt: str, output: str | None) -> None:
     """Every item of a batch with its text and metrics, as CSV or JSONL (UTF-8): per item the
     target and draft, the decoding settings (k, strategy, verify, temperature, top_p, top_k,
     seed, max_tokens), the prompt, the text and why it ended, speed, acceptance and energy.
@@ -143,10 +143,10 @@ def export_command(batch_id: int, fmt: str, output: Path | None) -> None:
     with upgraded_database(create=False) as engine:
         require_batch(engine, batch_id)  # an unknown batch is an error, not an empty file
         rows = item_rows(engine, batch_id)
-        if output is None or output == Path("-"):
+        if output in (None, "-"):
             _write(sys.stdout, rows, fmt, EXPORT_COLUMNS, bom=False)
             return
-        write_file_atomically(output, lambda handle: _write(handle, rows, fmt, EXPORT_COLUMNS, bom=fmt == "csv"))
+        write_file_atomically(Path(output), lambda handle: _write(handle, rows, fmt, EXPORT_COLUMNS, bom=fmt == "csv"))
     click.echo(f"wrote {output}", err=True)
 
 

@@ -58,11 +58,11 @@ def markdown(report: SweepReport) -> str:
              "done. Speedup is speculative tokens/s over the "
              "target-only baseline on the same prompt, mean over prompts with its 95% interval; "
              "predicted speedup comes from the probe (`polspec models probe`) of the machine that ran each "
-             "result, or this machine's where a result recorded none. Break-even acceptance is this "
-             "machine's, per candidate, at the candidates per draft token the cell measured: translation "
-             "can join draft tokens into fewer candidates, so it can exceed `polspec models probe`'s "
-             "figure, which counts one candidate per draft token; \"never\" means no acceptance makes that "
-             "k pay here with that many candidates. "
+             "result, or this machine's where a result recorded none, at the cell's batch size. Break-even "
+             "acceptance is this machine's, per candidate, at the candidates per draft token the cell "
+             "measured: translation can join draft tokens into fewer candidates, so it can exceed "
+             "`polspec models probe`'s figure, which counts one candidate per draft token; \"never\" means "
+             "no acceptance makes that k pay here with that many candidates. "
              "Rows with k auto report what the policy did (it may decode without the draft).", ""]
     if report.missing_probe:
         lines += [f"No probe on this machine for {', '.join(report.missing_probe)}: run "

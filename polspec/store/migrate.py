@@ -87,11 +87,12 @@ def upgraded_database(url: str | None = None, *, readonly: bool = False, create:
     """An engine on the database at ``url``, upgraded first if it is behind; disposed afterwards.
 
     What every command that reads or writes results opens (the worker refuses an old schema
-    with :func:`require_current_schema` instead). Commands that only read pass ``create=False``:
-    a SQLite file the user named (``url`` or ``POLSPEC_DB_URL``) that does not exist is then an
-    error, not a new empty database, so a mistyped URL is not read as "nothing stored yet".
-    The default database under ``POLSPEC_HOME`` is still created, empty. Nor do they add
-    polspec's tables to a database that holds other tables and none of polspec's.
+    with :func:`require_current_schema` instead). Commands that need existing data (reading
+    results, cancelling a batch) pass ``create=False``: a SQLite file the user named (``url`` or
+    ``POLSPEC_DB_URL``) that does not exist is then an error, not a new empty database, so a
+    mistyped URL is not read as "nothing stored yet". The default database under
+    ``POLSPEC_HOME`` is still created, empty. Nor do they add polspec's tables to a database
+    that holds other tables and none of polspec's.
     """
     path = sqlite_file(parse_url(url))
     if not create and path is not None and not path.exists() and (url is not None or database_url_set()):
@@ -108,15 +109,21 @@ def upgraded_database(url: str | None = None, *, readonly: bool = False, create:
 
 
 def _refuse_foreign(url: str | None) -> None:
-    if current_revision(url) is not None:
+    """Refuse a database with tables but no polspec revision, looking on a read-only connection
+    (a SQLite file is not even switched to WAL). An empty ``alembic_version`` is what a
+    downgrade to base leaves: polspec's own, and empty."""
+    path = sqlite_file(parse_url(url))
+    if path is not None and not path.exists():
         return
-    engine = make_engine(url)
+    engine = make_engine(url, readonly=True)
     try:
-        tables = inspect(engine).get_table_names()
+        with engine.connect() as connection:
+            revision = MigrationContext.configure(connection).get_current_revision()
+            tables = sorted(set(inspect(connection).get_table_names()) - {"alembic_version"})
     finally:
         engine.dispose()
-    if tables:
-        named = ", ".join(sorted(tables)[:3]) + (", ..." if len(tables) > 3 else "")
+    if revision is None and tables:
+        named = ", ".join(tables[:3]) + (", ..." if len(tables) > 3 else "")
         raise PolspecError(f"database {display_url(url)} holds tables that are not polspec's ({named}) and none "
                            "of polspec's (is POLSPEC_DB_URL right? polspec db upgrade adds polspec's tables to it)")
 

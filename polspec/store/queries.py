@@ -70,8 +70,10 @@ class BatchProgress:
         return self.busy_s / done * left
 
     def as_dict(self) -> dict[str, Any]:
+        # "draft" is a generation's one draft, as it was before sweeps listed theirs in "drafts".
         return {"batch": self.id, "name": self.name, "kind": self.kind, "status": self.status,
-                "target": self.target, "drafts": self.drafts, "created_at": self.created_at.isoformat(),
+                "target": self.target, "draft": self.drafts[0] if self.kind == "generate" and self.drafts else None,
+                "drafts": self.drafts, "created_at": self.created_at.isoformat(),
                 "total": self.total, **{status.value: self.counts.get(status.value, 0) for status in Status},
                 "generated_tokens": self.generated_tokens, "tokens_per_s": self.tokens_per_s,
                 "aggregate_tokens_per_s": self.aggregate_tokens_per_s, "eta_s": self.eta_s}
@@ -162,10 +164,15 @@ def item_rows(engine: Engine, batch_id: int | None = None, status: str | None = 
         query = query.limit(limit)
     with session_scope(engine) as session:
         for item, result, spec, cell in session.execute(query):
+            draft = cell["draft"] if cell is not None else spec.get("draft")
+            settings = {name: item.params.get(name) for name in ITEM_SETTINGS}
+            if draft is None:  # target-only: no draft length, translation or verification applied
+                settings |= {"k": None, "strategy": None, "verify": None}
+            elif result is not None and result.metrics.get("verify"):
+                settings["verify"] = result.metrics["verify"]  # what ran: auto is exact when greedy
             yield {
                 "batch": item.batch_id, "id": item.item_key, "status": item.status, "target": spec.get("target"),
-                "draft": cell["draft"] if cell is not None else spec.get("draft"),
-                **{name: item.params.get(name) for name in ITEM_SETTINGS},
+                "draft": draft, **settings,
                 "prompt": item.prompt, "messages": item.messages, "text": result.text if result else None,
                 "finish_reason": result.metrics.get("finish_reason") if result else None,
                 "prompt_tokens": result.prompt_tokens if result else None,
