@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from polspec.worker.energy import RaplMeter, detect_meter, measure_energy, open_meter
+from polspec.worker.energy import EnergyTally, RaplMeter, detect_meter, measure_energy, open_meter
 
 
 def zone(root: Path, name: str, energy: int, wrap: int = 2**32) -> Path:
@@ -71,3 +71,30 @@ def test_no_meter_here_gives_a_reason_not_zero(tmp_path):
     with measure_energy(None, availability.reason) as reading:
         pass
     assert reading.joules is None and reading.source is None and reading.unavailable_reason == availability.reason
+
+
+def test_a_tally_sums_its_windows_and_not_what_lies_between(tmp_path):
+    package = zone(tmp_path, "intel-rapl:0", 1_000_000)
+    tally = EnergyTally(RaplMeter(tmp_path))
+    with tally.window():
+        (package / "energy_uj").write_text("3000000\n")  # 2 J inside the first window
+    (package / "energy_uj").write_text("10000000\n")  # 7 J between windows: bookkeeping, not decoding
+    with tally.window():
+        (package / "energy_uj").write_text("10500000\n")  # 0.5 J inside the second
+    reading = tally.reading()
+    assert reading.joules == pytest.approx(2.5) and reading.source == "rapl" and reading.unavailable_reason is None
+
+
+def test_a_tally_with_a_failed_window_is_unavailable_not_an_undercount(tmp_path):
+    package = zone(tmp_path, "intel-rapl:0", 1_000_000)
+    tally = EnergyTally(RaplMeter(tmp_path))
+    with tally.window():
+        (package / "energy_uj").write_text("2000000\n")
+    with tally.window():
+        (package / "energy_uj").unlink()  # the counter vanished mid-window (a driver reset)
+    (package / "energy_uj").write_text("4000000\n")
+    with tally.window():
+        (package / "energy_uj").write_text("5000000\n")
+    reading = tally.reading()
+    assert reading.joules is None and reading.source is None
+    assert reading.unavailable_reason.startswith("rapl failed during the window: ") and "energy_uj" in reading.unavailable_reason

@@ -30,7 +30,9 @@ from polspec.jobs.queue import JOB_FUNCTION, queue_name
 from polspec.store.engine import make_engine, session_scope
 from polspec.store.items import Worker, claim_item
 from polspec.store.migrate import upgrade
-from polspec.store.schema import Item, Result
+from polspec.report.summary import Window, joules_per_token
+from polspec.store.schema import EnergyWindow, Item, Result
+from polspec.worker import run as worker_run
 from polspec.worker.worker import PolspecWorker
 from conftest import sqlite_url
 from helpers import wait_for, work
@@ -385,10 +387,24 @@ def test_demo_runs_the_main_job_with_a_private_redis(home_with_models, tmp_path,
                             (2, "wiki-001", "done", 1.0), (2, "wiki-002", "done", 1.0)]
 
 
+class ClockMeter:
+    """A stand-in for a power meter where none can be read (this machine has none): 10 W."""
+
+    name = "clock"
+
+    def start(self) -> float:
+        return time.perf_counter()
+
+    def stop(self, started: float) -> float:
+        return 10 * (time.perf_counter() - started)
+
+
 @pytest.mark.slow
-def test_batched_worker_gives_the_texts_of_one_at_a_time(tmp_path, redis_url):
+def test_batched_worker_gives_the_texts_of_one_at_a_time(tmp_path, redis_url, monkeypatch):
     """Target-only and speculative items in one queue, finishing at different rounds (their own
-    max_tokens), decoded by --batch 4 and by --batch 1 into two databases: the same texts."""
+    max_tokens), decoded by --batch 4 and by --batch 1 into two databases: the same texts.
+    With a meter, --batch 1 measures each item and --batch 4 each batch as a whole."""
+    monkeypatch.setattr(worker_run, "open_meter", lambda: (ClockMeter(), "a clock at 10 W"))
     rows = [{"id": f"q{i}", "prompt": prompt, "max_tokens": 4 + 3 * (i % 3)} for i, prompt in enumerate(PROMPTS[:6])]
     source = tmp_path / "prompts.jsonl"
     source.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
@@ -412,6 +428,24 @@ def test_batched_worker_gives_the_texts_of_one_at_a_time(tmp_path, redis_url):
         sizes = [result.batch_size for _, result in stored]
         if batch == 1:
             assert sizes == [1.0] * 12
+            assert all(result.energy_joules > 0 and result.energy_window_id is None for _, result in stored)
         else:  # six items per pairing, four at a time: every item shared forwards, none with the other pairing
             assert all(1 < size <= 4 for size in sizes), sizes
+            # One window per pairing's batch, holding its six items' tokens; no item has joules of its own.
+            with session_scope(engine) as session:
+                windows = {window.id: window for window in session.scalars(select(EnergyWindow))}
+            by_window = {}
+            for item, result in stored:
+                assert result.energy_joules is None and result.energy_window_id in windows
+                assert f"energy window {result.energy_window_id} holds the batch's" in result.energy_unavailable_reason
+                by_window.setdefault(result.energy_window_id, set()).add(item.batch_id)
+                assert result.energy_unavailable_reason.startswith("decoded in a batch of ")
+            assert len(windows) == 2 and all(len(batches) == 1 for batches in by_window.values())
+            for window in windows.values():
+                kept = [result for _, result in stored if result.energy_window_id == window.id]
+                assert (window.sequences, window.generated_tokens) == (6, sum(r.generated_tokens for r in kept))
+                assert window.energy_source == "clock" and 0 < window.energy_joules
+                assert window.energy_joules <= 10 * (window.ended_at - window.started_at).total_seconds()
+                assert joules_per_token(kept, {window.id: Window(window.energy_joules, window.generated_tokens)}) \
+                    == pytest.approx(window.energy_joules / window.generated_tokens)
     assert texts[4] == texts[1]

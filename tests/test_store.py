@@ -25,7 +25,8 @@ from sqlalchemy.orm import Session
 from polspec.cli.db import db
 from polspec.errors import DatabaseFailure, PolspecError
 from polspec.store.engine import display_url, make_engine, session_scope
-from polspec.store.items import database_id
+from polspec.store.energy_windows import close_energy_window, open_energy_window
+from polspec.store.items import Worker, database_id
 from polspec.store.migrate import (
     alembic_config,
     current_revision,
@@ -36,10 +37,10 @@ from polspec.store.migrate import (
     upgrade,
 )
 from polspec.store.queries import batch_progress
-from polspec.store.schema import Batch, Cell, Item, Result, metadata
+from polspec.store.schema import Batch, Cell, EnergyWindow, Item, Result, metadata, utcnow
 from conftest import sqlite_url
 
-TABLES = {"batches", "cells", "items", "results", "polspec_meta", "alembic_version"}
+TABLES = {"batches", "cells", "items", "results", "energy_windows", "polspec_meta", "alembic_version"}
 
 
 @pytest.fixture
@@ -382,6 +383,29 @@ def test_energy_is_measured_or_explained(engine: Engine) -> None:
         session.add(new_result(item, energy_joules=None, energy_unavailable_reason=None))
     with pytest.raises(IntegrityError), session_scope(engine) as session:
         session.add(new_result(item, energy_joules=2.0, energy_source=None))
+
+
+def test_an_energy_window_is_open_or_closed_with_joules_or_the_reason(engine: Engine) -> None:
+    me = Worker("host", 42)
+    measured, stopped = open_energy_window(engine, me), open_energy_window(engine, me)
+    close_energy_window(engine, measured, sequences=3, generated_tokens=40, joules=12.5, source="rapl",
+                        unavailable_reason=None)
+    close_energy_window(engine, stopped, sequences=1, generated_tokens=5, joules=None, source=None,
+                        unavailable_reason="the worker stopped in the middle of the batch")
+    with session_scope(engine) as session:
+        rows = {window.id: window for window in session.scalars(select(EnergyWindow))}
+        item = new_item(session, new_batch(session), "a")
+        session.add(new_result(item, energy_joules=None, energy_unavailable_reason="decoded in a batch",
+                               energy_window_id=measured))
+    assert (rows[measured].worker_host, rows[measured].worker_pid, rows[measured].energy_joules) == ("host", 42, 12.5)
+    assert rows[measured].ended_at >= rows[measured].started_at and rows[stopped].energy_joules is None
+    opened = open_energy_window(engine, me)
+    with pytest.raises(IntegrityError), session_scope(engine) as session:  # closed without joules or a reason
+        session.get(EnergyWindow, opened).ended_at = utcnow()
+    with session_scope(engine) as session:  # a window deleted by hand leaves its results, unnamed
+        session.delete(session.get(EnergyWindow, measured))
+    with session_scope(engine) as session:
+        assert session.scalar(select(Result.energy_window_id)) is None
 
 
 def test_item_needs_an_input_and_a_known_status(engine: Engine) -> None:

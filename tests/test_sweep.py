@@ -23,11 +23,12 @@ from polspec.errors import PolspecError
 from polspec.jobs.spec import ITEM_PARAMS
 from polspec.jobs.sweep import expand_sweep, load_sweep
 from polspec.report.render import markdown
-from polspec.report.summary import CellKey, Pair, Row, SweepReport, cell_row, mean_interval, predicted_speedup_of_cell
+from polspec.report.summary import (CellKey, Pair, Row, SweepReport, Window, cell_row, joules_per_token, mean_interval,
+                                    predicted_speedup_of_cell)
 from polspec.report.summary import headline as summary_headline
 from polspec.store.engine import make_engine, session_scope
 from polspec.store.migrate import upgrade
-from polspec.store.schema import Cell, Item, Result
+from polspec.store.schema import Cell, EnergyWindow, Item, Result, utcnow
 from helpers import start_worker, statuses, wait_for, work
 
 SMALL = """
@@ -419,6 +420,52 @@ def test_aggregate_throughput_counts_decoding_not_the_model_load(env, tmp_path):
     report = json.loads(cli(env, "report", str(json.loads(output)["batch"]), "--format", "json")[1].splitlines()[0])
     assert [row["aggregate_tokens_per_s"] for row in report["rows"]] == pytest.approx([4.0] * 4)
     assert [row["aggregate_speedup"] for row in report["rows"]] == pytest.approx([2.0] * 4)
+
+
+def test_a_cell_decoded_in_batches_has_the_energy_of_its_windows_where_they_hold_it_alone(env, tmp_path):
+    sweep_file = tmp_path / "small.toml"
+    sweep_file.write_text(SMALL)
+    code, output = cli(env, "enqueue", "sweep", "--config", str(sweep_file), "--json")
+    assert code == 0, output
+    # Per cell, its two items (2 tokens each) decoded together in one measured window, except:
+    # k=1 naive's window also decoded a third, cancelled sequence (3 more tokens: its joules
+    # are not the cell's alone); k=2 naive's items decoded alone, each measured; the
+    # baseline's window never closed (its worker was killed), so its joules are unknown.
+    engine = make_engine(env["POLSPEC_DB_URL"])
+    with session_scope(engine) as session:
+        windows = {}
+        for cell, item in session.execute(select(Cell, Item).join(Item.cell).order_by(Item.id)):
+            config = cell.config
+            result = hand_result(item.id, 10.0)
+            if not cell.baseline and (config["strategy"], config["k"]) == ("naive", 2):
+                result.energy_joules, result.energy_source, result.energy_unavailable_reason = 0.5, "rapl", None
+            else:
+                if cell.id not in windows:
+                    extra = 3 if (config.get("strategy"), config.get("k")) == ("naive", 1) else 0
+                    window = EnergyWindow(worker_host="h", worker_pid=1, sequences=2, generated_tokens=4 + extra)
+                    if not cell.baseline:
+                        window.ended_at, window.energy_joules, window.energy_source = utcnow(), 0.4 * cell.id, "rapl"
+                    session.add(window)
+                    session.flush()
+                    windows[cell.id] = window.id
+                result.energy_window_id = windows[cell.id]
+            session.add(result)
+            item.status = "done"
+        cell_ids = {(cell.config["strategy"], cell.config["k"]): cell.id
+                    for cell in session.scalars(select(Cell).where(Cell.baseline.is_(False)))}
+    engine.dispose()
+    code, output = cli(env, "report", str(json.loads(output)["batch"]), "--format", "json")
+    assert code == 0, output
+    rows = {(row["strategy"], int(row["k"])): row["joules_per_token"] for row in json.loads(output.splitlines()[0])["rows"]}
+    assert rows == {("aligned", 1): pytest.approx(0.1 * cell_ids["aligned", 1]),
+                    ("aligned", 2): pytest.approx(0.1 * cell_ids["aligned", 2]),
+                    ("naive", 1): None, ("naive", 2): pytest.approx(0.25)}
+    # An unclosed window (a baseline's, here) gives no joules either.
+    results = [hand_result(1, 1.0)]
+    results[0].energy_window_id = 7
+    assert joules_per_token(results, {7: Window(None, 2)}) is None
+    assert joules_per_token(results, {7: Window(1.0, 2)}) == pytest.approx(0.5)
+    assert joules_per_token(results) is None
 
 
 def factor_of(config: dict) -> float:

@@ -167,8 +167,8 @@ def _write(handle, rows, fmt: str, columns: tuple[str, ...], bom: bool) -> None:
 @click.argument("query")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per row and line.")
 def sql_command(query: str, as_json: bool) -> None:
-    """Run one SQL query on a read-only connection (tables: batches, items, results, and
-    cells for sweeps).
+    """Run one SQL query on a read-only connection (tables: batches, items, results, cells
+    for sweeps, and energy_windows for the energy of items a worker decoded together).
 
     \b
     Examples:

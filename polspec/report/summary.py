@@ -13,7 +13,8 @@ regenerated at any time:
 - aggregate throughput (every token of the cell over the wall time its items were decoding,
   so items decoded together add up) and its ratio to the target-only baseline at the same
   batch size: what a bulk run gains from speculation at that batch size;
-- energy per token where every item of the cell was measured;
+- energy per token where every item of the cell was measured: alone, or as part of a batch
+  whose energy window holds the cell's results and nothing else (see :func:`joules_per_token`);
 - translation time as a fraction of verification time;
 - the cost model's predicted speedup from the acceptance measured in the cell (the
   geometric-acceptance estimate: accepted / (accepted + rejecting rounds)) over the rounds
@@ -42,12 +43,46 @@ from polspec.decoding.probe_files import load_probe
 from polspec.errors import PolspecError
 from polspec.store.engine import session_scope
 from polspec.store.queries import busy_seconds
-from polspec.store.schema import Batch, Cell, Item, Result, Status
+from polspec.store.schema import Batch, Cell, EnergyWindow, Item, Result, Status
 
 # Two-sided 95% quantiles of Student's t for 1..30 degrees of freedom; the normal 1.96 beyond.
 _T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
         2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
         2.045, 2.042)
+
+
+class Window(NamedTuple):
+    """What a report needs of an energy window: its joules (None: unknown) and every token
+    it decoded."""
+
+    joules: float | None
+    generated_tokens: int
+
+
+def joules_per_token(results: list[Result], windows: dict[int, Window] | None = None) -> float | None:
+    """Joules per generated token over ``results``, or None where that is not a measurement.
+
+    A result counts with its own joules (it decoded alone), or else with the whole of the
+    energy window it decoded in (``windows`` by id), which must hold these results' tokens and
+    no others: a window that also decoded a cancelled sequence, another cell's items or a result
+    that was not kept spent part of its joules on them, and splitting them would be an estimate.
+    """
+    joules = 0.0
+    kept_in_window: dict[int, int] = defaultdict(int)
+    for result in results:
+        if result.energy_joules is not None:
+            joules += result.energy_joules
+        elif result.energy_window_id is not None:
+            kept_in_window[result.energy_window_id] += result.generated_tokens
+        else:
+            return None
+    for window_id, kept in kept_in_window.items():
+        window = (windows or {}).get(window_id)
+        if window is None or window.joules is None or window.generated_tokens != kept:
+            return None
+        joules += window.joules
+    tokens = sum(result.generated_tokens for result in results)
+    return joules / tokens if tokens else None
 
 
 class Pair(NamedTuple):
@@ -211,6 +246,9 @@ def sweep_report(engine: Engine, batch_id: int) -> SweepReport:
         name, target, status, spec = batch.name, batch.spec["target"], batch.status, batch.spec
         counts = dict(session.execute(select(Item.status, func.count()).where(Item.batch_id == batch_id)
                                       .group_by(Item.status)).all())
+        window_ids = {result.energy_window_id for _, _, result in rows} - {None}
+        windows = {window.id: Window(window.energy_joules, window.generated_tokens) for window in
+                   session.scalars(select(EnergyWindow).where(EnergyWindow.id.in_(window_ids)))}
     scalar = _sweep_params(spec)
     baseline: dict[Pair, float] = {}
     baseline_runs: dict[Pair, tuple] = {}
@@ -235,7 +273,7 @@ def sweep_report(engine: Engine, batch_id: int) -> SweepReport:
     aggregate = {key: _aggregate(members) for key, members in spans.items()}
     probes = {draft: load_probe(target, draft) for draft in {key.draft for key in groups}}
     report_rows = [cell_row(key, members, baseline, probes[key.draft], aggregate.get(key),
-                            aggregate.get((key.dataset, None, key.batch, key.temperature)))
+                            aggregate.get((key.dataset, None, key.batch, key.temperature)), windows)
                    for key, members in sorted(groups.items())]
     missing = sorted(draft for draft, found in probes.items() if found is None)
     return SweepReport(batch_id, name, target, status, counts.get(Status.DONE, 0), sum(counts.values()),
@@ -265,10 +303,11 @@ def _aggregate(spans: list[tuple[Any, Any, int]]) -> float | None:
 
 
 def cell_row(key: CellKey, members: list[tuple[Pair, Result]], baseline: dict[Pair, float], probe: Probe | None,
-             aggregate: float | None = None, baseline_aggregate: float | None = None) -> Row:
+             aggregate: float | None = None, baseline_aggregate: float | None = None,
+             windows: dict[int, Window] | None = None) -> Row:
     """The row of ``key`` from its results, each with its pair, the baseline tokens/s of each
-    pair, and the aggregate throughput of the cell and of its batch size's and temperature's
-    baseline."""
+    pair, the aggregate throughput of the cell and of its batch size's and temperature's
+    baseline, and the energy windows its results decoded in."""
     metrics = [result.metrics for _, result in members]
 
     def total(name: str) -> float:
@@ -283,9 +322,6 @@ def cell_row(key: CellKey, members: list[tuple[Pair, Result]], baseline: dict[Pa
             base_speeds.append(paired)
     ratios = [statistics.fmean(values) for values in ratios_per_prompt.values()]
     speedup, low, high = mean_interval(ratios) if ratios else (None, None, None)
-    energies = [result.energy_joules for _, result in members]
-    joules = (sum(energies) / total("generated_tokens")
-              if energies and all(e is not None for e in energies) and total("generated_tokens") else None)
     accepted = total("candidates_accepted")
     ratio = _candidates_per_draft_token(metrics)
     k_used = _k_used(key.k, metrics)
@@ -300,7 +336,7 @@ def cell_row(key: CellKey, members: list[tuple[Pair, Result]], baseline: dict[Pa
         baseline_tokens_per_s=statistics.median(base_speeds) if base_speeds else None,
         speedup=speedup, speedup_low=low, speedup_high=high, aggregate_tokens_per_s=aggregate,
         aggregate_speedup=aggregate / baseline_aggregate if aggregate and baseline_aggregate else None,
-        joules_per_token=joules,
+        joules_per_token=joules_per_token([result for _, result in members], windows),
         translation_overhead=total("translate_s") / total("verify_s") if total("verify_s") else None,
         predicted_speedup=predicted_speedup_of_cell(key.k, members, probe, key.batch),
         break_even_acceptance=even,

@@ -19,6 +19,10 @@ The database is the record of every batch; Redis only delivers work. Contract:
   so metrics can be recomputed without regenerating. Energy is either measured (joules with
   its source) or NULL with the reason it could not be measured, never 0 or a silent estimate;
   the database enforces this.
+- ``energy_windows``: the energy of a batch of items that decoded together, measured as a
+  whole, since a meter reads the whole machine and cannot tell one item's joules from
+  another's. The results of those items point at it (``results.energy_window_id``); their own
+  energy stays unavailable, with the reason.
 
 Timestamps are timezone-aware UTC on every backend. Every constraint is named through
 ``NAMING_CONVENTION`` so that Alembic can alter them on SQLite (batch mode) and PostgreSQL alike.
@@ -252,6 +256,8 @@ class Result(Base):
     energy_joules: Mapped[float | None]
     energy_source: Mapped[str | None]
     energy_unavailable_reason: Mapped[str | None] = mapped_column(Text)
+    energy_window_id: Mapped[int | None] = mapped_column(ForeignKey("energy_windows.id", ondelete="SET NULL"),
+                                                         index=True)
     backend: Mapped[str]
     device: Mapped[str]
     versions: Mapped[dict[str, Any]]
@@ -259,3 +265,37 @@ class Result(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
     item: Mapped[Item] = relationship(back_populates="result")
+
+
+class EnergyWindow(Base):
+    """The energy of one continuous batch: every forward of the sequences that decoded
+    together in it, prefills included, and neither model loading nor probing.
+
+    A worker opens the window when the batch starts and closes it when the batch ends, with
+    the joules and ``source`` (the meter), or NULL joules and the reason. ``ended_at`` NULL
+    means the batch never ended (its worker was killed): the joules are unknown.
+    ``generated_tokens`` and ``sequences`` count every sequence that decoded in the window,
+    cancelled and failed ones too, so a window whose results hold fewer tokens spent some of its
+    energy on output that was not kept, and its joules are not the kept results' alone.
+    """
+
+    __tablename__ = "energy_windows"
+    __table_args__ = (
+        CheckConstraint(
+            "ended_at IS NULL"
+            " OR (energy_joules IS NOT NULL AND energy_source IS NOT NULL)"
+            " OR (energy_joules IS NULL AND energy_unavailable_reason IS NOT NULL)",
+            name="energy_accounted",
+        ),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    worker_host: Mapped[str]
+    worker_pid: Mapped[int]
+    started_at: Mapped[datetime] = mapped_column(default=utcnow)
+    ended_at: Mapped[datetime | None]
+    sequences: Mapped[int] = mapped_column(default=0)
+    generated_tokens: Mapped[int] = mapped_column(default=0)
+    energy_joules: Mapped[float | None]
+    energy_source: Mapped[str | None]
+    energy_unavailable_reason: Mapped[str | None] = mapped_column(Text)

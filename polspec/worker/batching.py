@@ -17,6 +17,11 @@ warm shutdown (the first Ctrl+C) stops taking items and finishes the ones in fli
 
 Redis is only the delivery channel: if it fails mid-batch, decoding goes on, every result is
 still written to the database, and the jobs' RQ bookkeeping is left to ``recover``.
+
+Energy: where a meter works, the batch's decoding steps are measured as one energy window
+(:mod:`polspec.store.energy_windows`) that each of its results names. A meter reads the whole
+machine, so an item's own joules stay unavailable, with the reason; a report sums whole
+windows instead.
 """
 
 from __future__ import annotations
@@ -45,10 +50,11 @@ from polspec.errors import PolspecError
 from polspec.jobs.queue import JOB_FUNCTION
 from polspec.jobs.spec import GenerateSpec
 from polspec.models.loader import LoadedModel
+from polspec.store.energy_windows import close_energy_window, open_energy_window
 from polspec.store.items import Pairing, cancelled_items, claim_item, fail_item, finish_item, item_pairings
 from polspec.store.schema import Status
 from polspec.worker import context
-from polspec.worker.energy import EnergyReading
+from polspec.worker.energy import EnergyReading, EnergyTally
 from polspec.worker.tasks import PROGRESS_INTERVAL_S, item_probe, load_models, prompt_of, result_row
 
 if TYPE_CHECKING:
@@ -113,27 +119,59 @@ class BatchRun:
         self.draft: LoadedModel | None = None
         self.next_check = 0.0
         self.redis_failed = False
+        self.energy = EnergyTally(self.ctx.meter, mx.synchronize) if self.ctx.meter is not None else None
+        self.window_id: int | None = None
+        self.window_sequences = self.window_tokens = 0
 
     def run(self, job: Job) -> None:
         """Decode ``job`` (delivered by RQ's loop) and every job that joins it."""
-        self._start(job, first=True)
-        self._refill()
-        while self.running:
-            try:
-                events = self.decoder.step()
-            except Exception:  # noqa: BLE001 - out of memory and the like: every item in flight fails
-                exc_info = sys.exc_info()
-                for running in list(self.running.values()):
-                    self._fail(running.job, running.execution, exc_info)
-                self.running.clear()
-                break
-            for event in events:
-                self._record(event)
-            # Looking for new items costs Redis and database round trips: only when a slot was
-            # freed, or once a second.
-            if self._check() or any(event.finished for event in events):
-                self._refill()
+        stopped = "the worker stopped in the middle of the batch"
+        try:
+            self._start(job, first=True)
+            self._refill()
+            while self.running:
+                try:
+                    events = self._step()
+                except Exception as error:  # noqa: BLE001 - out of memory and the like: every item in flight fails
+                    stopped = f"decoding failed in the middle of the batch: {type(error).__name__}: {error}"
+                    exc_info = sys.exc_info()
+                    for running in list(self.running.values()):
+                        self._fail(running.job, running.execution, exc_info)
+                    self.running.clear()
+                    break
+                for event in events:
+                    self._record(event)
+                # Looking for new items costs Redis and database round trips: only when a slot
+                # was freed, or once a second.
+                if self._check() or any(event.finished for event in events):
+                    self._refill()
+            else:
+                stopped = None
+        finally:
+            self._close_window(stopped)
         mx.clear_cache()
+
+    def _step(self) -> list[SequenceEvent]:
+        if self.energy is None:
+            return self.decoder.step()
+        if self.window_id is None:  # before the first step, so that every result can name it
+            self.window_id = open_energy_window(self.ctx.engine, self.ctx.me)
+        with self.energy.window():
+            return self.decoder.step()
+
+    def _close_window(self, stopped: str | None) -> None:
+        """Record the batch's energy; ``stopped`` says why the batch ended early, if it did."""
+        if self.window_id is None:
+            return
+        reading = self.energy.reading()
+        if stopped is not None:  # the joules of sequences that never finished are in the sum
+            reading = EnergyReading(unavailable_reason=stopped)
+        try:
+            close_energy_window(self.ctx.engine, self.window_id, sequences=self.window_sequences,
+                                generated_tokens=self.window_tokens, joules=reading.joules,
+                                source=reading.source, unavailable_reason=reading.unavailable_reason)
+        except Exception as error:  # noqa: BLE001 - every result is stored already; the window stays open
+            log.warning("could not record the energy of the batch (window %d): %s", self.window_id, error)
 
     # --- items joining ----------------------------------------------------------------------
 
@@ -226,6 +264,8 @@ class BatchRun:
             running.transcript.add(event.commit)
         if not event.finished:
             return
+        self.window_sequences += 1
+        self.window_tokens += event.metrics.generated_tokens
         del self.running[event.key]
         self.ctx.current_items.discard(event.key)
         if running.timed_out:
@@ -240,6 +280,7 @@ class BatchRun:
         energy = EnergyReading(unavailable_reason=self._energy_reason(event.metrics.batch_size))
         result = result_row(self.target, self.draft, generation, energy, self.decoder.probe if self.draft else None,
                             running.timings | {"generation_s": time.perf_counter() - running.joined})
+        result.energy_window_id = self.window_id
         try:
             stored = finish_item(self.ctx.engine, event.key, self.ctx.me, result)
         except Exception:  # noqa: BLE001 - the database's fault, not the item's: RQ tries the job again
@@ -252,7 +293,7 @@ class BatchRun:
         if self.ctx.meter is None:
             return self.ctx.meter_reason
         return (f"decoded in a batch of {batch_size:.1f} sequences on average: {self.ctx.meter_reason} "
-                "reads the whole machine, not one item")
+                f"reads the whole machine, not one item; energy window {self.window_id} holds the batch's")
 
     def _succeed(self, job: Job, execution: Execution, summary: dict[str, Any]) -> None:
         self._end(job, lambda: self.worker._finalize_success(job, self.queue, execution, summary))

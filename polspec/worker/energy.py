@@ -167,3 +167,31 @@ def measure_energy(meter: Meter | None, unavailable_reason: str, synchronize=Non
         reading.joules, reading.source = meter.stop(started), meter.name
     except Exception as error:  # a counter that vanished mid-run (driver reset, permissions)
         reading.unavailable_reason = f"{meter.name} failed during the window: {error}"
+
+
+class EnergyTally:
+    """Joules summed over many measurement windows: the energy of the work inside them and
+    nothing between (a batched worker measures its decoding steps, not its bookkeeping).
+
+    A window that fails makes the whole tally unavailable: a sum that misses a window would
+    be an undercount, not a measurement.
+    """
+
+    def __init__(self, meter: Meter, synchronize=None):
+        self.meter, self.synchronize = meter, synchronize
+        self.joules = 0.0
+        self.failure: str | None = None
+
+    @contextmanager
+    def window(self) -> Iterator[None]:
+        with measure_energy(self.meter, "", self.synchronize) as reading:
+            yield
+        if reading.joules is None:
+            self.failure = self.failure or reading.unavailable_reason
+        else:
+            self.joules += reading.joules
+
+    def reading(self) -> EnergyReading:
+        if self.failure is not None:
+            return EnergyReading(unavailable_reason=self.failure)
+        return EnergyReading(joules=self.joules, source=self.meter.name)
