@@ -448,4 +448,9 @@ def test_batched_worker_gives_the_texts_of_one_at_a_time(tmp_path, redis_url, mo
                 assert window.energy_joules <= 10 * (window.ended_at - window.started_at).total_seconds()
                 assert joules_per_token(kept, {window.id: Window(window.energy_joules, window.generated_tokens)}) \
                     == pytest.approx(window.energy_joules / window.generated_tokens)
+            item, result = stored[0]
+            window = windows[result.energy_window_id]
+            code, output = cli(env, "results", "show", str(item.batch_id), item.item_key)
+            assert code == 0 and (f"energy of its batch: window {window.id}, {window.energy_joules:.3g} J (clock) over "
+                                  f"{window.generated_tokens} tokens of 6 sequences\n") in output
     assert texts[4] == texts[1]

@@ -23,6 +23,7 @@ from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.orm import Session
 
 from polspec.cli.db import db
+from polspec.cli.results import _window_line
 from polspec.errors import DatabaseFailure, PolspecError
 from polspec.store.engine import display_url, make_engine, session_scope
 from polspec.store.energy_windows import close_energy_window, open_energy_window
@@ -36,7 +37,7 @@ from polspec.store.migrate import (
     require_current_schema,
     upgrade,
 )
-from polspec.store.queries import batch_progress
+from polspec.store.queries import batch_progress, item_detail
 from polspec.store.schema import Batch, Cell, EnergyWindow, Item, Result, metadata, utcnow
 from conftest import sqlite_url
 
@@ -402,10 +403,18 @@ def test_an_energy_window_is_open_or_closed_with_joules_or_the_reason(engine: En
     opened = open_energy_window(engine, me)
     with pytest.raises(IntegrityError), session_scope(engine) as session:  # closed without joules or a reason
         session.get(EnergyWindow, opened).ended_at = utcnow()
+    with session_scope(engine) as session:
+        for key, window_id in (("b", stopped), ("c", opened)):
+            session.add(new_result(new_item(session, session.get(Batch, item.batch_id), key), energy_joules=None,
+                                   energy_unavailable_reason="decoded in a batch", energy_window_id=window_id))
+    shown = {key: _window_line(item_detail(engine, item.batch_id, key)["energy_window"]) for key in "abc"}
+    assert shown == {"a": f"window {measured}, 12.5 J (rapl) over 40 tokens of 3 sequences",
+                     "b": f"window {stopped}, unavailable: the worker stopped in the middle of the batch",
+                     "c": f"window {opened} is open: its batch is still decoding, or its worker was stopped"}
     with session_scope(engine) as session:  # a window deleted by hand leaves its results, unnamed
         session.delete(session.get(EnergyWindow, measured))
     with session_scope(engine) as session:
-        assert session.scalar(select(Result.energy_window_id)) is None
+        assert session.scalar(select(Result.energy_window_id).where(Result.item_id == item.id)) is None
 
 
 def test_item_needs_an_input_and_a_known_status(engine: Engine) -> None:

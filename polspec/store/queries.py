@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 
 from polspec.errors import PolspecError
 from polspec.store.engine import session_scope
-from polspec.store.schema import Batch, Cell, Item, Result, Status
+from polspec.store.schema import Batch, Cell, EnergyWindow, Item, Result, Status
 
 
 @dataclass
@@ -208,10 +208,20 @@ def item_detail(engine: Engine, batch_id: int, key: str) -> dict[str, Any]:
             detail |= {"text": result.text, "token_ids": result.token_ids, "metrics": result.metrics,
                        "energy_joules": result.energy_joules, "energy_source": result.energy_source,
                        "energy_unavailable_reason": result.energy_unavailable_reason,
-                       "energy_window": result.energy_window_id,
+                       "energy_window": _energy_window(session, result.energy_window_id),
                        "backend": result.backend, "device": result.device, "versions": result.versions,
                        "timings": result.timings}
         return detail
+
+
+def _energy_window(session: Session, window_id: int | None) -> dict[str, Any] | None:
+    """The energy window a result's item decoded in, as ``results show`` gives it."""
+    window = session.get(EnergyWindow, window_id) if window_id is not None else None
+    if window is None:
+        return None
+    return {"id": window.id, "ended": window.ended_at is not None, "sequences": window.sequences,
+            "generated_tokens": window.generated_tokens, "energy_joules": window.energy_joules,
+            "energy_source": window.energy_source, "energy_unavailable_reason": window.energy_unavailable_reason}
 
 
 def run_sql(engine: Engine, sql: str) -> tuple[list[str], list[tuple]]:
