@@ -66,10 +66,12 @@ def test_doctor_fails_on_a_file_that_is_no_database_and_on_a_newer_schema(redis_
     with sqlite3.connect(tmp_path / "newer.db") as connection:
         connection.execute("UPDATE alembic_version SET version_num = 'ffff'")
     code, output = invoke("doctor", env=env)
-    assert code == 1 and f"!! database   {newer}: revision ffff, newer than this polspec knows: upgrade polspec" in output
+    newer_schema = "revision ffff is newer than this polspec knows (a newer polspec upgraded it): upgrade polspec"
+    assert code == 1 and f"!! database   {newer}: {newer_schema}\n" in output
     code, output = invoke("db", "current", env=env)
-    assert code == 0 and output == (f"{newer}: revision ffff, newer than this polspec knows (it needs "
-                                    f"{head_revision()}): upgrade polspec\n")
+    assert code == 0 and output == f"{newer}: {newer_schema}\n"
+    code, output = invoke("status", env=env)
+    assert code == 1 and output == f"polspec: error: database {newer}: {newer_schema}\n"
 
 
 @pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs procfs, where no file can be created")

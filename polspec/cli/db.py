@@ -7,7 +7,7 @@ import json
 import click
 
 from polspec.store.engine import display_url
-from polspec.store.migrate import current_revision, head_revision, is_newer_than_polspec, upgrade
+from polspec.store.migrate import current_revision, head_revision, is_newer_than_polspec, newer_schema, upgrade
 
 
 @click.group()
@@ -61,8 +61,7 @@ def current_command(as_json: bool) -> None:
     elif current == head:
         click.echo(f"{display_url()}: revision {current} (up to date)")
     elif is_newer_than_polspec(current):
-        click.echo(f"{display_url()}: revision {current}, newer than this polspec knows (it needs {head}): "
-                   "upgrade polspec")
+        click.echo(f"{display_url()}: {newer_schema(current)}")
     else:
         shown = current or "none (empty)"
         click.echo(f"{display_url()}: revision {shown}, polspec needs {head}: run polspec db upgrade")

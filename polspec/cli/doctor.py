@@ -8,7 +8,7 @@ import sys
 
 import click
 
-from polspec.errors import PolspecError
+from polspec.errors import DatabaseProblem, PolspecError
 from polspec.store.engine import display_url
 
 
@@ -40,16 +40,19 @@ def _redis_report(url: str) -> dict:
 
 
 def _database_report(url: str) -> dict:
-    from polspec.store.migrate import current_revision, head_revision, is_newer_than_polspec
+    from polspec.store.migrate import current_revision, head_revision, is_newer_than_polspec, newer_schema
 
     report = {"url": display_url(url), "head": head_revision()}
     try:
         report["revision"] = current_revision(url)
+    except DatabaseProblem as error:  # the report names the URL already
+        report["error"] = error.reason
+        return report
     except PolspecError as error:
-        report["error"] = str(error).removeprefix(f"database {report['url']}: ")
+        report["error"] = str(error)
         return report
     if is_newer_than_polspec(report["revision"]):
-        report["error"] = f"revision {report['revision']}, newer than this polspec knows: upgrade polspec"
+        report["error"] = newer_schema(report["revision"])
     report["up_to_date"] = report["revision"] == report["head"]
     return report
 

@@ -8,7 +8,7 @@ that reads and then writes fails at once with "database is locked" when another 
 in between, whatever the busy timeout. Other databases are left as their driver sets them up.
 
 Errors that come from the database's surroundings (file cannot be opened, server unreachable,
-locked beyond the timeout, read-only) are raised as :class:`PolspecError` naming the URL, with
+locked beyond the timeout, read-only) are raised as :class:`DatabaseProblem` naming the URL, with
 the password hidden; those from a database operation are its subclass :class:`DatabaseFailure`.
 """
 
@@ -25,7 +25,7 @@ from sqlalchemy.engine import ExceptionContext
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError, OperationalError
 from sqlalchemy.orm import Session
 
-from polspec.errors import DatabaseFailure, PolspecError
+from polspec.errors import DatabaseFailure, DatabaseProblem, PolspecError
 from polspec.settings import database_url, db_busy_timeout_ms
 
 
@@ -50,7 +50,7 @@ def make_engine(url: str | URL | None = None, *, readonly: bool = False) -> Engi
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as error:
-            raise PolspecError(f"database {shown}: cannot create {path.parent}: {error.strerror}") from error
+            raise DatabaseProblem(shown, f"cannot create {path.parent}: {error.strerror}") from error
     if path is not None and readonly:
         # A URI so that SQLite itself refuses every write, whatever SQL a user sends.
         parsed = parsed.set(database=f"file:{quote(str(path.resolve()))}", query={"mode": "ro", "uri": "true"})
@@ -64,7 +64,7 @@ def make_engine(url: str | URL | None = None, *, readonly: bool = False) -> Engi
     try:
         engine = create_engine(parsed, **options)
     except (ImportError, NoSuchModuleError) as error:
-        raise PolspecError(f"database {shown}: no driver for it is installed ({error})") from error
+        raise DatabaseProblem(shown, f"no driver for it is installed ({error})") from error
 
     @event.listens_for(engine, "handle_error")
     def _to_polspec_error(context: ExceptionContext) -> None:
@@ -79,7 +79,7 @@ def make_engine(url: str | URL | None = None, *, readonly: bool = False) -> Engi
         reason = " ".join(str(context.original_exception).split())
         if sqlite and "locked" in reason:
             reason += f" (busy timeout {timeout_ms} ms; POLSPEC_DB_BUSY_TIMEOUT_MS sets it)"
-        raise DatabaseFailure(f"database {shown}: {reason}")
+        raise DatabaseFailure(shown, reason)
 
     if sqlite:
         _set_up_sqlite(engine, timeout_ms=timeout_ms, readonly=readonly)

@@ -25,7 +25,7 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import URL, Connection, Engine, inspect, text
 
-from polspec.errors import PolspecError
+from polspec.errors import DatabaseProblem, PolspecError
 from polspec.settings import database_url_set
 from polspec.store.engine import display_url, make_engine, parse_url, sqlite_file
 
@@ -98,9 +98,10 @@ def upgraded_database(url: str | None = None, *, readonly: bool = False, create:
     if not create and path is not None and not path.exists() and (url is not None or database_url_set()):
         raise PolspecError(f"database {display_url(url)}: no such file, nothing has been stored there "
                            "(is POLSPEC_DB_URL right?)")
-    if not create:
-        _refuse_foreign(url)
-    ensure_schema(url)
+    if create:
+        ensure_schema(url)
+    elif _existing_revision(url) != head_revision():
+        upgrade(url)
     engine = make_engine(url, readonly=readonly)
     try:
         yield engine
@@ -108,13 +109,14 @@ def upgraded_database(url: str | None = None, *, readonly: bool = False, create:
         engine.dispose()
 
 
-def _refuse_foreign(url: str | None) -> None:
-    """Refuse a database with tables but no polspec revision, looking on a read-only connection
-    (a SQLite file is not even switched to WAL). An empty ``alembic_version`` is what a
-    downgrade to base leaves: polspec's own, and empty."""
+def _existing_revision(url: str | None) -> str | None:
+    """The revision of a database that must be polspec's (or empty), read on a read-only
+    connection (a SQLite file is not even switched to WAL); a database with tables but no
+    polspec revision is refused. An empty ``alembic_version`` is what a downgrade to base
+    leaves: polspec's own, and empty."""
     path = sqlite_file(parse_url(url))
     if path is not None and not path.exists():
-        return
+        return None
     engine = make_engine(url, readonly=True)
     try:
         with engine.connect() as connection:
@@ -126,6 +128,7 @@ def _refuse_foreign(url: str | None) -> None:
         named = ", ".join(tables[:3]) + (", ..." if len(tables) > 3 else "")
         raise PolspecError(f"database {display_url(url)} holds tables that are not polspec's ({named}) and none "
                            "of polspec's (is POLSPEC_DB_URL right? polspec db upgrade adds polspec's tables to it)")
+    return revision
 
 
 def require_current_schema(url: str | None = None) -> None:
@@ -218,8 +221,10 @@ def _require_known(connection: Connection, url: str | None) -> None:
         raise _unknown_revision(current, url)
 
 
-def _unknown_revision(revision: str, url: str | None) -> PolspecError:
-    return PolspecError(
-        f"database {display_url(url)} is at revision {revision}, which this polspec does not know "
-        "(a newer polspec upgraded it): upgrade polspec"
-    )
+def newer_schema(revision: str) -> str:
+    """What to tell a user whose database is at a revision this polspec does not know."""
+    return f"revision {revision} is newer than this polspec knows (a newer polspec upgraded it): upgrade polspec"
+
+
+def _unknown_revision(revision: str, url: str | None) -> DatabaseProblem:
+    return DatabaseProblem(display_url(url), newer_schema(revision))
