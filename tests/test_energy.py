@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from polspec.worker.energy import EnergyTally, RaplMeter, detect_meter, measure_energy, open_meter
+from polspec.worker.energy import Measurement, RaplMeter, detect_meter, measure_energy, open_meter
 
 
 def zone(root: Path, name: str, energy: int, wrap: int = 2**32) -> Path:
@@ -73,28 +73,42 @@ def test_no_meter_here_gives_a_reason_not_zero(tmp_path):
     assert reading.joules is None and reading.source is None and reading.unavailable_reason == availability.reason
 
 
-def test_a_tally_sums_its_windows_and_not_what_lies_between(tmp_path):
+def test_a_measurement_sums_its_stretches_and_not_what_lies_between(tmp_path):
     package = zone(tmp_path, "intel-rapl:0", 1_000_000)
-    tally = EnergyTally(RaplMeter(tmp_path))
-    with tally.window():
-        (package / "energy_uj").write_text("3000000\n")  # 2 J inside the first window
-    (package / "energy_uj").write_text("10000000\n")  # 7 J between windows: bookkeeping, not decoding
-    with tally.window():
-        (package / "energy_uj").write_text("10500000\n")  # 0.5 J inside the second
-    reading = tally.reading()
+    measurement = Measurement(RaplMeter(tmp_path))
+    measurement.resume()
+    (package / "energy_uj").write_text("3000000\n")  # 2 J while running
+    measurement.pause()
+    (package / "energy_uj").write_text("10000000\n")  # 7 J while paused (a probe, say)
+    measurement.resume()
+    measurement.resume()  # already running: the stretch goes on
+    (package / "energy_uj").write_text("10500000\n")  # 0.5 J
+    measurement.pause()
+    reading = measurement.reading()
     assert reading.joules == pytest.approx(2.5) and reading.source == "rapl" and reading.unavailable_reason is None
+    assert Measurement(RaplMeter(tmp_path)).reading().joules is None  # nothing measured is not 0 J
 
 
-def test_a_tally_with_a_failed_window_is_unavailable_not_an_undercount(tmp_path):
+@pytest.mark.parametrize("vanishes", ["at the start", "during"])
+def test_a_meter_that_fails_leaves_the_energy_unavailable_and_the_work_done(tmp_path, vanishes):
     package = zone(tmp_path, "intel-rapl:0", 1_000_000)
-    tally = EnergyTally(RaplMeter(tmp_path))
-    with tally.window():
-        (package / "energy_uj").write_text("2000000\n")
-    with tally.window():
-        (package / "energy_uj").unlink()  # the counter vanished mid-window (a driver reset)
+    meter = RaplMeter(tmp_path)
+    if vanishes == "at the start":  # the counter vanished before the window (a driver reset)
+        (package / "energy_uj").unlink()
+    work_done = False
+    with measure_energy(meter, "unused") as reading:
+        if vanishes == "during":
+            (package / "energy_uj").unlink()
+        work_done = True
+    assert work_done and reading.joules is None and reading.source is None
+    assert reading.unavailable_reason.startswith(f"rapl failed {vanishes} ") and "energy_uj" in reading.unavailable_reason
+    measurement = Measurement(meter)
+    (package / "energy_uj").write_text("2000000\n")
+    measurement.resume()
+    measurement.pause()
+    (package / "energy_uj").unlink()
+    measurement.resume()  # fails: a later stretch that works cannot make the sum whole again
     (package / "energy_uj").write_text("4000000\n")
-    with tally.window():
-        (package / "energy_uj").write_text("5000000\n")
-    reading = tally.reading()
-    assert reading.joules is None and reading.source is None
-    assert reading.unavailable_reason.startswith("rapl failed during the window: ") and "energy_uj" in reading.unavailable_reason
+    measurement.resume()
+    measurement.pause()
+    assert measurement.reading().joules is None and "failed at the start" in measurement.reading().unavailable_reason

@@ -27,10 +27,10 @@ from polspec.decoding import DecodingParams, generate
 from polspec.errors import PolspecError
 from polspec.jobs.control import _requeue_abandoned
 from polspec.jobs.queue import JOB_FUNCTION, queue_name
+from polspec.report.summary import Window, joules_per_token
 from polspec.store.engine import make_engine, session_scope
 from polspec.store.items import Worker, claim_item
 from polspec.store.migrate import upgrade
-from polspec.report.summary import Window, joules_per_token
 from polspec.store.schema import EnergyWindow, Item, Result
 from polspec.worker import run as worker_run
 from polspec.worker.worker import PolspecWorker
@@ -400,6 +400,33 @@ class ClockMeter:
 
 
 @pytest.mark.slow
+def test_a_batch_that_decoded_an_item_it_did_not_keep_is_no_cell_energy(env, monkeypatch):
+    """An item past its job's timeout leaves the batch without a result; the energy window
+    still counts its tokens, so the kept result's share of the joules is not a measurement."""
+    monkeypatch.setattr(worker_run, "open_meter", lambda: (ClockMeter(), "a clock at 10 W"))
+    code, output = cli(env, "enqueue", "generate", "--dataset", "pl-instruct", "--limit", "2", "--target",
+                       "smollm2-135m", "--max-tokens", "40", "--raw", "--json")
+    assert code == 0, output
+    jobs = Queue(queue_name("smollm2-135m"), connection=redis.Redis.from_url(env["POLSPEC_REDIS_URL"]),
+                 serializer=JSONSerializer).get_jobs()
+    jobs[0].timeout, jobs[0].retries_left = 1, 0  # fails for good when it times out: one batch holds both
+    jobs[0].save()
+    work(env, batch=2)
+    engine = make_engine(env["POLSPEC_DB_URL"])
+    with session_scope(engine) as session:
+        items = {item.id: item for item in session.scalars(select(Item))}
+        kept = session.scalars(select(Result)).all()
+        windows = {window.id: window for window in session.scalars(select(EnergyWindow))}
+    engine.dispose()
+    assert [items[job.args[1]].status for job in jobs] == ["failed", "done"] and len(kept) == 1
+    shared = windows[kept[0].energy_window_id]  # the batch both decoded in, the timed-out item's first attempt
+    assert shared.ended_at is not None and shared.energy_joules > 0 and shared.sequences == 2
+    assert shared.generated_tokens > kept[0].generated_tokens and len(windows) == 1
+    window = Window(shared.energy_joules, shared.generated_tokens, shared.sequences)
+    assert joules_per_token(kept, {shared.id: window}) is None
+
+
+@pytest.mark.slow
 def test_batched_worker_gives_the_texts_of_one_at_a_time(tmp_path, redis_url, monkeypatch):
     """Target-only and speculative items in one queue, finishing at different rounds (their own
     max_tokens), decoded by --batch 4 and by --batch 1 into two databases: the same texts.
@@ -437,7 +464,8 @@ def test_batched_worker_gives_the_texts_of_one_at_a_time(tmp_path, redis_url, mo
             by_window = {}
             for item, result in stored:
                 assert result.energy_joules is None and result.energy_window_id in windows
-                assert f"energy window {result.energy_window_id} holds the batch's" in result.energy_unavailable_reason
+                assert f"energy window {result.energy_window_id} holds the whole batch's joules" \
+                    in result.energy_unavailable_reason
                 by_window.setdefault(result.energy_window_id, set()).add(item.batch_id)
                 assert result.energy_unavailable_reason.startswith("decoded in a batch of ")
             assert len(windows) == 2 and all(len(batches) == 1 for batches in by_window.values())
@@ -446,8 +474,6 @@ def test_batched_worker_gives_the_texts_of_one_at_a_time(tmp_path, redis_url, mo
                 assert (window.sequences, window.generated_tokens) == (6, sum(r.generated_tokens for r in kept))
                 assert window.energy_source == "clock" and 0 < window.energy_joules
                 assert window.energy_joules <= 10 * (window.ended_at - window.started_at).total_seconds()
-                assert joules_per_token(kept, {window.id: Window(window.energy_joules, window.generated_tokens)}) \
-                    == pytest.approx(window.energy_joules / window.generated_tokens)
             item, result = stored[0]
             window = windows[result.energy_window_id]
             code, output = cli(env, "results", "show", str(item.batch_id), item.item_key)

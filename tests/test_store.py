@@ -407,10 +407,11 @@ def test_an_energy_window_is_open_or_closed_with_joules_or_the_reason(engine: En
         for key, window_id in (("b", stopped), ("c", opened)):
             session.add(new_result(new_item(session, session.get(Batch, item.batch_id), key), energy_joules=None,
                                    energy_unavailable_reason="decoded in a batch", energy_window_id=window_id))
-    shown = {key: _window_line(item_detail(engine, item.batch_id, key)["energy_window"]) for key in "abc"}
+    shown = {key: _window_line(item_detail(engine, item.batch_id, key)["batch_energy"]) for key in "abc"}
     assert shown == {"a": f"window {measured}, 12.5 J (rapl) over 40 tokens of 3 sequences",
                      "b": f"window {stopped}, unavailable: the worker stopped in the middle of the batch",
-                     "c": f"window {opened} is open: its batch is still decoding, or its worker was stopped"}
+                     "c": f"window {opened} is open: its batch is still decoding, or its end was never recorded "
+                          "(a killed worker)"}
     with session_scope(engine) as session:  # a window deleted by hand leaves its results, unnamed
         session.delete(session.get(EnergyWindow, measured))
     with session_scope(engine) as session:

@@ -427,44 +427,47 @@ def test_a_cell_decoded_in_batches_has_the_energy_of_its_windows_where_they_hold
     sweep_file.write_text(SMALL)
     code, output = cli(env, "enqueue", "sweep", "--config", str(sweep_file), "--json")
     assert code == 0, output
-    # Per cell, its two items (2 tokens each) decoded together in one measured window, except:
-    # k=1 naive's window also decoded a third, cancelled sequence (3 more tokens: its joules
-    # are not the cell's alone); k=2 naive's items decoded alone, each measured; the
-    # baseline's window never closed (its worker was killed), so its joules are unknown.
+    # Each cell has two items of 2 tokens. How they were measured, per cell:
+    plans = {("aligned", 1): [(0.3, 1, 2), (0.5, 1, 2)],  # two windows, one item each (joules, sequences, tokens)
+             ("aligned", 2): [(1.2, 2, 4)],  # one window holding both
+             ("naive", 1): [(0.9, 3, 4)],  # both, and a sequence cancelled before its first token
+             ("naive", 2): [0.5, (0.7, 1, 2)]}  # one measured alone, one in a window of its own
     engine = make_engine(env["POLSPEC_DB_URL"])
     with session_scope(engine) as session:
-        windows = {}
+        members = {}
         for cell, item in session.execute(select(Cell, Item).join(Item.cell).order_by(Item.id)):
-            config = cell.config
-            result = hand_result(item.id, 10.0)
-            if not cell.baseline and (config["strategy"], config["k"]) == ("naive", 2):
-                result.energy_joules, result.energy_source, result.energy_unavailable_reason = 0.5, "rapl", None
-            else:
-                if cell.id not in windows:
-                    extra = 3 if (config.get("strategy"), config.get("k")) == ("naive", 1) else 0
-                    window = EnergyWindow(worker_host="h", worker_pid=1, sequences=2, generated_tokens=4 + extra)
-                    if not cell.baseline:
-                        window.ended_at, window.energy_joules, window.energy_source = utcnow(), 0.4 * cell.id, "rapl"
-                    session.add(window)
-                    session.flush()
-                    windows[cell.id] = window.id
-                result.energy_window_id = windows[cell.id]
-            session.add(result)
-            item.status = "done"
-        cell_ids = {(cell.config["strategy"], cell.config["k"]): cell.id
-                    for cell in session.scalars(select(Cell).where(Cell.baseline.is_(False)))}
+            members.setdefault((cell.baseline, cell.config.get("strategy"), cell.config.get("k")), []).append(item)
+        for (baseline, strategy, k), items in members.items():
+            plan = [None] if baseline else plans[strategy, k]
+            windows = {}
+            for index, item in enumerate(items):
+                result = hand_result(item.id, 10.0)
+                way = plan[index % len(plan)]
+                if isinstance(way, float):
+                    result.energy_joules, result.energy_source, result.energy_unavailable_reason = way, "rapl", None
+                elif way is not None:
+                    if id(way) not in windows:
+                        joules, sequences, tokens = way
+                        window = EnergyWindow(worker_host="h", worker_pid=1, ended_at=utcnow(), energy_joules=joules,
+                                              energy_source="rapl", sequences=sequences, generated_tokens=tokens)
+                        session.add(window)
+                        session.flush()
+                        windows[id(way)] = window.id
+                    result.energy_window_id = windows[id(way)]
+                session.add(result)
+                item.status = "done"
     engine.dispose()
     code, output = cli(env, "report", str(json.loads(output)["batch"]), "--format", "json")
     assert code == 0, output
     rows = {(row["strategy"], int(row["k"])): row["joules_per_token"] for row in json.loads(output.splitlines()[0])["rows"]}
-    assert rows == {("aligned", 1): pytest.approx(0.1 * cell_ids["aligned", 1]),
-                    ("aligned", 2): pytest.approx(0.1 * cell_ids["aligned", 2]),
-                    ("naive", 1): None, ("naive", 2): pytest.approx(0.25)}
-    # An unclosed window (a baseline's, here) gives no joules either.
+    assert rows == {("aligned", 1): pytest.approx(0.2), ("aligned", 2): pytest.approx(0.3), ("naive", 1): None,
+                    ("naive", 2): pytest.approx(0.3)}
+    # A window that never ended, or one another cell's items shared, gives no joules either.
     results = [hand_result(1, 1.0)]
     results[0].energy_window_id = 7
-    assert joules_per_token(results, {7: Window(None, 2)}) is None
-    assert joules_per_token(results, {7: Window(1.0, 2)}) == pytest.approx(0.5)
+    assert joules_per_token(results, {7: Window(None, 2, 1)}) is None
+    assert joules_per_token(results, {7: Window(1.0, 4, 2)}) is None
+    assert joules_per_token(results, {7: Window(1.0, 2, 1)}) == pytest.approx(0.5)
     assert joules_per_token(results) is None
 
 

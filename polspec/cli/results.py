@@ -115,8 +115,8 @@ def show_command(batch_id: int, item_id: str, as_json: bool) -> None:
         energy = (f"{detail['energy_joules']:.3g} J ({detail['energy_source']})" if detail["energy_joules"] is not None
                   else f"unavailable: {detail['energy_unavailable_reason']}")
         click.echo(f"energy: {energy}")
-        if detail["energy_window"] is not None:
-            click.echo(f"energy of its batch: {_window_line(detail['energy_window'])}")
+        if detail["batch_energy"] is not None:
+            click.echo(f"energy of its batch: {_window_line(detail['batch_energy'])}")
         click.echo(f"ran on: {detail['backend']}/{detail['device']}, {detail['worker_host']}")
 
 
@@ -124,7 +124,7 @@ def _window_line(window: dict) -> str:
     """An energy window in one line: what it measured, over what, or why it has no joules."""
     where = f"window {window['id']}"
     if not window["ended"]:
-        return f"{where} is open: its batch is still decoding, or its worker was stopped"
+        return f"{where} is open: its batch is still decoding, or its end was never recorded (a killed worker)"
     if window["energy_joules"] is None:
         return f"{where}, unavailable: {window['energy_unavailable_reason']}"
     return (f"{where}, {window['energy_joules']:.3g} J ({window['energy_source']}) over "

@@ -63,7 +63,11 @@ def markdown(report: SweepReport) -> str:
              "measured: translation can join draft tokens into fewer candidates, so it can exceed "
              "`polspec models probe`'s figure, which counts one candidate per draft token; \"never\" means "
              "no acceptance makes that k pay here with that many candidates. "
-             "Rows with k auto report what the policy did (it may decode without the draft).", ""]
+             "Rows with k auto report what the policy did (it may decode without the draft). "
+             "J/tok is measured energy per generated token: items decoded alone are measured one by one, "
+             "items decoded together as their whole batch, which counts only where the batch held the "
+             "cell's items and nothing else; \"-\" where some item has neither (no meter, or a batch that "
+             "also decoded other work or never ended).", ""]
     if report.missing_probe:
         lines += [f"No probe on this machine for {', '.join(report.missing_probe)}: run "
                   f"`polspec models probe {report.target} DRAFT` for the break-even acceptance and the "

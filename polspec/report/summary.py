@@ -52,33 +52,36 @@ _T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2
 
 
 class Window(NamedTuple):
-    """What a report needs of an energy window: its joules (None: unknown) and every token
-    it decoded."""
+    """What a report needs of an energy window: its joules (None: unknown) and every sequence
+    and token it decoded."""
 
     joules: float | None
     generated_tokens: int
+    sequences: int
 
 
 def joules_per_token(results: list[Result], windows: dict[int, Window] | None = None) -> float | None:
     """Joules per generated token over ``results``, or None where that is not a measurement.
 
     A result counts with its own joules (it decoded alone), or else with the whole of the
-    energy window it decoded in (``windows`` by id), which must hold these results' tokens and
-    no others: a window that also decoded a cancelled sequence, another cell's items or a result
-    that was not kept spent part of its joules on them, and splitting them would be an estimate.
+    energy window it decoded in (``windows`` by id), which must hold these results and no other
+    sequence: a window that also decoded a cancelled one, another cell's items or a result that
+    was not kept spent part of its joules on them (its prefill at least, even where it wrote no
+    token), and splitting them would be an estimate.
     """
     joules = 0.0
-    kept_in_window: dict[int, int] = defaultdict(int)
+    kept_in_window: dict[int, list[int]] = defaultdict(list)
     for result in results:
         if result.energy_joules is not None:
             joules += result.energy_joules
         elif result.energy_window_id is not None:
-            kept_in_window[result.energy_window_id] += result.generated_tokens
+            kept_in_window[result.energy_window_id].append(result.generated_tokens)
         else:
             return None
     for window_id, kept in kept_in_window.items():
         window = (windows or {}).get(window_id)
-        if window is None or window.joules is None or window.generated_tokens != kept:
+        whole = window is not None and (window.sequences, window.generated_tokens) == (len(kept), sum(kept))
+        if not whole or window.joules is None:
             return None
         joules += window.joules
     tokens = sum(result.generated_tokens for result in results)
@@ -247,7 +250,7 @@ def sweep_report(engine: Engine, batch_id: int) -> SweepReport:
         counts = dict(session.execute(select(Item.status, func.count()).where(Item.batch_id == batch_id)
                                       .group_by(Item.status)).all())
         window_ids = {result.energy_window_id for _, _, result in rows} - {None}
-        windows = {window.id: Window(window.energy_joules, window.generated_tokens) for window in
+        windows = {window.id: Window(window.energy_joules, window.generated_tokens, window.sequences) for window in
                    session.scalars(select(EnergyWindow).where(EnergyWindow.id.in_(window_ids)))}
     scalar = _sweep_params(spec)
     baseline: dict[Pair, float] = {}

@@ -147,7 +147,7 @@ ITEM_SETTINGS = ("k", "strategy", "verify", "temperature", "top_p", "top_k", "se
 EXPORT_COLUMNS = ("batch", "id", "status", "target", "draft", *ITEM_SETTINGS, "prompt", "messages", "text",
                   "finish_reason", "prompt_tokens", "generated_tokens", "decode_tokens_per_s", "batch_size",
                   "acceptance_rate", "tokens_per_round", "energy_joules", "energy_source", "energy_unavailable_reason",
-                  "energy_window", "attempts", "error", "worker_host", "backend", "device", "finished_at")
+                  "energy_window_id", "attempts", "error", "worker_host", "backend", "device", "finished_at")
 
 
 def item_rows(engine: Engine, batch_id: int | None = None, status: str | None = None,
@@ -184,7 +184,7 @@ def item_rows(engine: Engine, batch_id: int | None = None, status: str | None = 
                 "energy_joules": result.energy_joules if result else None,
                 "energy_source": result.energy_source if result else None,
                 "energy_unavailable_reason": result.energy_unavailable_reason if result else None,
-                "energy_window": result.energy_window_id if result else None,
+                "energy_window_id": result.energy_window_id if result else None,
                 "attempts": item.attempts, "error": item.last_error, "worker_host": item.worker_host,
                 "backend": result.backend if result else None, "device": result.device if result else None,
                 "finished_at": item.finished_at.isoformat() if item.finished_at else None,
@@ -208,13 +208,13 @@ def item_detail(engine: Engine, batch_id: int, key: str) -> dict[str, Any]:
             detail |= {"text": result.text, "token_ids": result.token_ids, "metrics": result.metrics,
                        "energy_joules": result.energy_joules, "energy_source": result.energy_source,
                        "energy_unavailable_reason": result.energy_unavailable_reason,
-                       "energy_window": _energy_window(session, result.energy_window_id),
+                       "batch_energy": _batch_energy(session, result.energy_window_id),
                        "backend": result.backend, "device": result.device, "versions": result.versions,
                        "timings": result.timings}
         return detail
 
 
-def _energy_window(session: Session, window_id: int | None) -> dict[str, Any] | None:
+def _batch_energy(session: Session, window_id: int | None) -> dict[str, Any] | None:
     """The energy window a result's item decoded in, as ``results show`` gives it."""
     window = session.get(EnergyWindow, window_id) if window_id is not None else None
     if window is None:

@@ -268,12 +268,14 @@ class Result(Base):
 
 
 class EnergyWindow(Base):
-    """The energy of one continuous batch: every forward of the sequences that decoded
-    together in it, prefills included, and neither model loading nor probing.
+    """The energy of one continuous batch, from its first round to its end: the sequences
+    that decoded together in it, their prefills and the worker's bookkeeping between rounds;
+    neither model loading nor probing.
 
-    A worker opens the window when the batch starts and closes it when the batch ends, with
-    the joules and ``source`` (the meter), or NULL joules and the reason. ``ended_at`` NULL
-    means the batch never ended (its worker was killed): the joules are unknown.
+    A worker opens the window at the batch's first round and closes it when the batch ends,
+    with the joules and ``source`` (the meter), or NULL joules and the reason. ``ended_at``
+    NULL means the batch is still decoding or its end was never recorded (its worker was
+    killed): the joules are unknown.
     ``generated_tokens`` and ``sequences`` count every sequence that decoded in the window,
     cancelled and failed ones too, so a window whose results hold fewer tokens spent some of its
     energy on output that was not kept, and its joules are not the kept results' alone.

@@ -18,10 +18,12 @@ warm shutdown (the first Ctrl+C) stops taking items and finishes the ones in fli
 Redis is only the delivery channel: if it fails mid-batch, decoding goes on, every result is
 still written to the database, and the jobs' RQ bookkeeping is left to ``recover``.
 
-Energy: where a meter works, the batch's decoding steps are measured as one energy window
-(:mod:`polspec.store.energy_windows`) that each of its results names. A meter reads the whole
-machine, so an item's own joules stay unavailable, with the reason; a report sums whole
-windows instead.
+Energy: where a meter works, the batch is measured as one energy window
+(:mod:`polspec.store.energy_windows`) that each of its results names, from its first round to
+its end, less any probe measured meanwhile (the models are loaded before). A meter reads the
+whole machine, so an item's own joules stay unavailable, with the reason; a report sums whole
+windows instead. Energy is a record, not the work: a meter or a window that fails leaves the
+energy unavailable and every item decoding.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ from polspec.store.energy_windows import close_energy_window, open_energy_window
 from polspec.store.items import Pairing, cancelled_items, claim_item, fail_item, finish_item, item_pairings
 from polspec.store.schema import Status
 from polspec.worker import context
-from polspec.worker.energy import EnergyReading, EnergyTally
+from polspec.worker.energy import EnergyReading, Measurement
 from polspec.worker.tasks import PROGRESS_INTERVAL_S, item_probe, load_models, prompt_of, result_row
 
 if TYPE_CHECKING:
@@ -119,19 +121,21 @@ class BatchRun:
         self.draft: LoadedModel | None = None
         self.next_check = 0.0
         self.redis_failed = False
-        self.energy = EnergyTally(self.ctx.meter, mx.synchronize) if self.ctx.meter is not None else None
+        self.energy = Measurement(self.ctx.meter, mx.synchronize)
         self.window_id: int | None = None
+        self.window_failure: str | None = None  # why the window could not be recorded
         self.window_sequences = self.window_tokens = 0
 
     def run(self, job: Job) -> None:
         """Decode ``job`` (delivered by RQ's loop) and every job that joins it."""
-        stopped = "the worker stopped in the middle of the batch"
+        stopped = None  # why the batch ended before its last item did
         try:
             self._start(job, first=True)
             self._refill()
             while self.running:
+                self._measure()
                 try:
-                    events = self._step()
+                    events = self.decoder.step()
                 except Exception as error:  # noqa: BLE001 - out of memory and the like: every item in flight fails
                     stopped = f"decoding failed in the middle of the batch: {type(error).__name__}: {error}"
                     exc_info = sys.exc_info()
@@ -145,27 +149,39 @@ class BatchRun:
                 # was freed, or once a second.
                 if self._check() or any(event.finished for event in events):
                     self._refill()
-            else:
-                stopped = None
+        except (SystemExit, KeyboardInterrupt):
+            stopped = "the worker stopped in the middle of the batch"
+            raise
+        except BaseException as error:
+            stopped = f"the batch ended on an error: {type(error).__name__}: {error}"
+            raise
         finally:
             self._close_window(stopped)
         mx.clear_cache()
 
-    def _step(self) -> list[SequenceEvent]:
-        if self.energy is None:
-            return self.decoder.step()
-        if self.window_id is None:  # before the first step, so that every result can name it
-            self.window_id = open_energy_window(self.ctx.engine, self.ctx.me)
-        with self.energy.window():
-            return self.decoder.step()
+    # --- the batch's energy -----------------------------------------------------------------
+
+    def _measure(self) -> None:
+        """Before a round: the batch's energy window exists (so that every result can name it)
+        and its meter runs."""
+        if self.ctx.meter is None or self.window_failure is not None:
+            return
+        if self.window_id is None:
+            try:
+                self.window_id = open_energy_window(self.ctx.engine, self.ctx.me)
+            except Exception as error:  # noqa: BLE001 - the database's fault; decoding goes on unmeasured
+                self.window_failure = f"its energy window could not be recorded: {error}"
+                log.warning("the batch's energy goes unrecorded: %s", self.window_failure)
+                return
+        self.energy.resume()
 
     def _close_window(self, stopped: str | None) -> None:
-        """Record the batch's energy; ``stopped`` says why the batch ended early, if it did."""
+        """Record the batch's energy; ``stopped`` says why the batch ended early, if it did:
+        then the joules include sequences that never finished, and are not recorded."""
         if self.window_id is None:
             return
-        reading = self.energy.reading()
-        if stopped is not None:  # the joules of sequences that never finished are in the sum
-            reading = EnergyReading(unavailable_reason=stopped)
+        self.energy.pause()
+        reading = self.energy.reading() if stopped is None else EnergyReading(unavailable_reason=stopped)
         try:
             close_energy_window(self.ctx.engine, self.window_id, sequences=self.window_sequences,
                                 generated_tokens=self.window_tokens, joules=reading.joules,
@@ -213,7 +229,11 @@ class BatchRun:
         clock = time.perf_counter()
         held = self.decoder.probe if self.decoder is not None else None
         if self.decoder is None or (params.k == "auto" and not (held and held.batch)):
+            measuring = self.energy.running  # a probe is not decoding: left out of the window
+            self.energy.pause()
             held = item_probe(self.target, self.draft, params, batched=True)
+            if measuring:
+                self.energy.resume()
         probe_s = time.perf_counter() - clock
         longest = params.max_tokens + PROMPT_ALLOWANCE
         if self.decoder is None:
@@ -279,8 +299,7 @@ class BatchRun:
         generation = running.transcript.result(self.target, event.metrics)
         energy = EnergyReading(unavailable_reason=self._energy_reason(event.metrics.batch_size))
         result = result_row(self.target, self.draft, generation, energy, self.decoder.probe if self.draft else None,
-                            running.timings | {"generation_s": time.perf_counter() - running.joined})
-        result.energy_window_id = self.window_id
+                            running.timings | {"generation_s": time.perf_counter() - running.joined}, self.window_id)
         try:
             stored = finish_item(self.ctx.engine, event.key, self.ctx.me, result)
         except Exception:  # noqa: BLE001 - the database's fault, not the item's: RQ tries the job again
@@ -292,8 +311,10 @@ class BatchRun:
     def _energy_reason(self, batch_size: float) -> str:
         if self.ctx.meter is None:
             return self.ctx.meter_reason
+        whole = (f"energy window {self.window_id} holds the whole batch's joules" if self.window_id is not None
+                 else self.window_failure)
         return (f"decoded in a batch of {batch_size:.1f} sequences on average: {self.ctx.meter_reason} "
-                f"reads the whole machine, not one item; energy window {self.window_id} holds the batch's")
+                f"reads the whole machine, not one item; {whole}")
 
     def _succeed(self, job: Job, execution: Execution, summary: dict[str, Any]) -> None:
         self._end(job, lambda: self.worker._finalize_success(job, self.queue, execution, summary))

@@ -151,47 +151,64 @@ def measure_energy(meter: Meter | None, unavailable_reason: str, synchronize=Non
     """A measurement window: the reading is filled in when the block ends.
 
     ``synchronize`` (``mx.synchronize``) runs before each end of the window, so that queued
-    GPU work is inside it. Without a meter the reading carries ``unavailable_reason``.
+    GPU work is inside it. Without a meter the reading carries ``unavailable_reason``; a meter
+    that fails leaves the reading unavailable with why, and never the work inside undone.
     """
+    measurement = Measurement(meter, synchronize)
+    measurement.resume()
     reading = EnergyReading(unavailable_reason=None if meter else unavailable_reason)
-    if meter is None:
-        yield reading
-        return
-    if synchronize is not None:
-        synchronize()
-    started = meter.start()
     yield reading
-    if synchronize is not None:
-        synchronize()
-    try:
-        reading.joules, reading.source = meter.stop(started), meter.name
-    except Exception as error:  # a counter that vanished mid-run (driver reset, permissions)
-        reading.unavailable_reason = f"{meter.name} failed during the window: {error}"
+    if meter is not None:
+        measurement.pause()
+        measured = measurement.reading()
+        reading.joules, reading.source, reading.unavailable_reason = (measured.joules, measured.source,
+                                                                       measured.unavailable_reason)
 
 
-class EnergyTally:
-    """Joules summed over many measurement windows: the energy of the work inside them and
-    nothing between (a batched worker measures its decoding steps, not its bookkeeping).
+class Measurement:
+    """Joules over stretches of time that :meth:`resume` starts and :meth:`pause` ends (a
+    batched worker pauses while it measures a probe, which is not decoding).
 
-    A window that fails makes the whole tally unavailable: a sum that misses a window would
-    be an undercount, not a measurement.
+    A meter that fails at either end makes the whole reading unavailable, with the reason: a
+    sum that misses a stretch would be an undercount, not a measurement.
     """
 
-    def __init__(self, meter: Meter, synchronize=None):
+    def __init__(self, meter: Meter | None, synchronize=None):
         self.meter, self.synchronize = meter, synchronize
-        self.joules = 0.0
+        self.joules, self.stretches = 0.0, 0
+        self.started: object | None = None
         self.failure: str | None = None
 
-    @contextmanager
-    def window(self) -> Iterator[None]:
-        with measure_energy(self.meter, "", self.synchronize) as reading:
-            yield
-        if reading.joules is None:
-            self.failure = self.failure or reading.unavailable_reason
-        else:
-            self.joules += reading.joules
+    @property
+    def running(self) -> bool:
+        return self.started is not None
+
+    def resume(self) -> None:
+        if self.meter is None or self.running or self.failure is not None:
+            return
+        if self.synchronize is not None:
+            self.synchronize()
+        try:
+            self.started = self.meter.start()
+        except Exception as error:  # a counter that vanished (driver reset, permissions)
+            self.failure = f"{self.meter.name} failed at the start of a window: {error}"
+
+    def pause(self) -> None:
+        if not self.running:
+            return
+        if self.synchronize is not None:
+            self.synchronize()
+        started, self.started = self.started, None
+        try:
+            self.joules += self.meter.stop(started)
+            self.stretches += 1
+        except Exception as error:  # a counter that vanished mid-run (driver reset, permissions)
+            self.failure = f"{self.meter.name} failed during the window: {error}"
 
     def reading(self) -> EnergyReading:
+        """What the paused stretches measured (a running one is not in it)."""
         if self.failure is not None:
             return EnergyReading(unavailable_reason=self.failure)
+        if not self.stretches:
+            return EnergyReading(unavailable_reason="nothing was measured")
         return EnergyReading(joules=self.joules, source=self.meter.name)

@@ -152,8 +152,10 @@ class _Progress:
 
 
 def result_row(target: LoadedModel, draft: LoadedModel | None, generation: GenerationResult,
-               energy: EnergyReading, probe: Probe | None, timings: dict[str, Any]) -> Result:
-    """The result row of a finished generation, with its provenance."""
+               energy: EnergyReading, probe: Probe | None, timings: dict[str, Any],
+               energy_window_id: int | None = None) -> Result:
+    """The result row of a finished generation, with its provenance; ``energy_window_id`` names
+    the window that measured the batch it decoded in, where its own energy could not be."""
     metrics = generation.metrics
     chosen = backend_setup()
     joules_per_token = (energy.joules / metrics.generated_tokens
@@ -162,7 +164,8 @@ def result_row(target: LoadedModel, draft: LoadedModel | None, generation: Gener
         text=generation.text,
         token_ids=generation.token_ids,
         metrics=metrics.as_dict() | {"spans": generation.spans, "joules_per_token": joules_per_token,
-                                     "energy_window": "prefill and decode",
+                                     "energy_window": "prefill and decode" if energy_window_id is None
+                                     else "the whole batch (energy_window_id)",
                                      "probe": probe.as_dict() if probe is not None else None},
         prompt_tokens=metrics.prompt_tokens,
         generated_tokens=metrics.generated_tokens,
@@ -172,6 +175,7 @@ def result_row(target: LoadedModel, draft: LoadedModel | None, generation: Gener
         energy_joules=energy.joules,
         energy_source=energy.source,
         energy_unavailable_reason=energy.unavailable_reason,
+        energy_window_id=energy_window_id,
         backend=chosen.kind,
         device=chosen.device,
         versions=_versions(target, draft),
