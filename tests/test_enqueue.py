@@ -120,6 +120,10 @@ def test_same_name_adds_only_new_ids(env, tmp_path):
     code, output = invoke(env, "--input", str(more), "--name", "nightly", "--target", "smollm2-135m", "--k", "3")
     assert code == 1 and output.count("\n") == 1
     assert "batch 'nightly' (id 1) exists with different parameters: k (2, not 3); choose another --name" in output
+    plain = write_jsonl(tmp_path / "plain.jsonl", [{"id": "e", "prompt": "Kto napisał Lalkę?"}])
+    code, output = invoke(env, "--input", str(plain), "--name", "nightly", "--target", "smollm2-135m", "--raw")
+    assert code == 1 and output == ("polspec: error: batch 'nightly' (id 1) was queued as chat where the target has "
+                                    "a template (the default), not raw text (--raw); choose another --name\n")
 
 
 def test_a_draft_that_is_the_target_itself_is_queued_with_a_note(env, tmp_path):
@@ -174,6 +178,12 @@ BAD_LINES = [
     ('{"id": "\\udfff", "prompt": "x"}', "p.jsonl:2: the id holds a lone surrogate"),
     ('{"id": "a", "messages": [{"role": "user", "content": "\\ud83d"}]}',
      "p.jsonl:2: messages[0].content holds a lone surrogate"),
+    ('{"id": "a", "messages": [{"role": "robot", "content": "Cześć"}]}',
+     "p.jsonl:2: messages[0].role is 'robot'; it must be one of system, user, assistant"),
+    ('{"id": "a", "messages": [{"role": "system", "content": "Mów po polsku."}, '
+     '{"role": "assistant", "content": "Dobrze."}]}', "p.jsonl:2: the messages have no 'user' message to answer"),
+    ('{"id": "a", "prompt": "x", "max_tokens": 100000000000000000000}',
+     "p.jsonl:2: max_tokens must be at least 1 and at most 1,048,576, got 100000000000000000000"),
 ]
 
 
@@ -275,10 +285,44 @@ def test_unreachable_redis_names_the_url_and_creates_no_batch(env, tmp_path, clo
 
 def test_a_redis_database_number_the_server_lacks_is_named_as_such(env, tmp_path):
     source = write_jsonl(tmp_path / "p.jsonl", GOOD)
-    bad = dict(env, POLSPEC_REDIS_URL=env["POLSPEC_REDIS_URL"].rsplit("/", 1)[0] + "/99")
-    code, output = invoke(bad, "--input", str(source), "--target", "smollm2-135m")
+    server = env["POLSPEC_REDIS_URL"].rsplit("/", 1)[0]
+    code, output = invoke(dict(env, POLSPEC_REDIS_URL=f"{server}/99"), "--input", str(source), "--target", "smollm2-135m")
     assert code == 1 and output.count("\n") == 1
     assert "refused the connection: DB index is out of range (check the database number" in output
+    # redis-py reads a database that is no number as database 0, where other work may be queued
+    code, output = invoke(dict(env, POLSPEC_REDIS_URL=f"{server}/abc"), "--input", str(source), "--target", "smollm2-135m")
+    assert code == 1 and output == (f"polspec: error: not a Redis URL: {server}/abc (after the port comes a database "
+                                    "number, not 'abc')\n")
+    assert counts(env) == (0, 0, 0)
+
+
+def test_redis_failing_while_enqueueing_leaves_the_database_as_it_was(env, tmp_path, redis_server):
+    """A new batch disappears; a finished one that new ids were added to keeps its items, and its
+    status, as they were. Redis out of memory fails every write while it still answers a ping."""
+    env = dict(env, POLSPEC_REDIS_URL=redis_server.url)
+    source = write_jsonl(tmp_path / "p.jsonl", GOOD)
+    assert invoke(env, "--input", str(source), "--name", "nightly", "--target", "smollm2-135m")[0] == 0
+    engine = make_engine(env["POLSPEC_DB_URL"])
+    with session_scope(engine) as session:  # as a worker would have left it
+        session.execute(Item.__table__.update().values(status="done"))
+        session.scalar(select(Batch)).status = "done"
+    redis.Redis.from_url(redis_server.url).config_set("maxmemory", 1)
+    more = write_jsonl(tmp_path / "more.jsonl", [*GOOD, {"id": "d", "prompt": "Kto napisał Lalkę?"}])
+    for args in (["--input", str(more), "--name", "nightly"], ["--input", str(source)]):
+        code, output = invoke(env, *args, "--target", "smollm2-135m")
+        assert code == 1 and output.count("\n") == 1
+        assert "failed while enqueueing (" in output and "when used memory > 'maxmemory'" in output
+        assert output.endswith("; nothing was added to the database\n")
+    with session_scope(engine) as session:
+        assert [(batch.name, batch.status) for batch in session.scalars(select(Batch))] == [("nightly", "done")]
+        assert session.scalar(select(func.count()).select_from(Item)) == 3
+    engine.dispose()
+
+
+def test_a_blank_batch_name_is_refused(env, tmp_path):
+    source = write_jsonl(tmp_path / "p.jsonl", GOOD)
+    code, output = invoke(env, "--input", str(source), "--name", " ")
+    assert code == 1 and output == "polspec: error: --name needs some text in it (or leave it out)\n"
     assert counts(env) == (0, 0, 0)
 
 

@@ -112,19 +112,21 @@ def test_temperatures_and_verify_are_grid_dimensions_and_single_values_keep_the_
     grid = {"strategies": ["aligned"], "k": [2], "seeds": [0], "repeats": None,
             "datasets": [{"name": "pl-short", "limit": 2}]}
     plan = expand_sweep(config(**grid, temperatures=[0, 0.7], verify=["exact", "tli"]), "test.toml")
-    # Every temperature gets its own baseline; verify varies the speculative cells only.
+    # Every temperature gets its own baseline; verify varies the sampled speculative cells only
+    # (greedy decoding verifies by exact match whatever it says: one greedy cell, not two alike).
     assert [cell.key for cell in plan.cells] == [
         "pl-short/baseline/s0/t0", "pl-short/smollm2-135m/aligned/k2/p5/vexact/s0/t0",
-        "pl-short/smollm2-135m/aligned/k2/p5/vtli/s0/t0",
         "pl-short/baseline/s0/t0.7", "pl-short/smollm2-135m/aligned/k2/p5/vexact/s0/t0.7",
         "pl-short/smollm2-135m/aligned/k2/p5/vtli/s0/t0.7"]
     assert [(cell.config["temperature"], cell.config.get("verify")) for cell in plan.cells] == [
-        (0.0, None), (0.0, "exact"), (0.0, "tli"), (0.7, None), (0.7, "exact"), (0.7, "tli")]
-    assert [(cell.params.temperature, cell.params.verification) for cell in plan.cells[3:]] == [
+        (0.0, None), (0.0, "exact"), (0.7, None), (0.7, "exact"), (0.7, "tli")]
+    assert [(cell.params.temperature, cell.params.verification) for cell in plan.cells[2:]] == [
         (0.7, "exact"), (0.7, "exact"), (0.7, "tli")]
     assert {(item.item.overrides["temperature"], item.item.overrides["verify"]) for item in plan.items
-            if item.cell == plan.cells[5].key} == {(0.7, "tli")}
-    assert len(plan.items) == 6 * 2
+            if item.cell == plan.cells[4].key} == {(0.7, "tli")}
+    assert len(plan.items) == 5 * 2
+    with pytest.raises(PolspecError, match=r"^test.toml: 'verify' lists 2 ways, but every temperature is 0, where "):
+        expand_sweep(config(**grid, temperatures=[0], verify=["exact", "tli"]), "test.toml")
 
     # Absent, scalar or single-valued, they leave the keys of older sweeps as they were.
     old = [cell.key for cell in expand_sweep(config(**grid), "test.toml").cells]
@@ -160,7 +162,8 @@ def test_temperature_and_temperatures_together_is_one_line(tmp_path):
     ({"target": "gemma"}, "test.toml: unknown model alias 'gemma'"),
     ({"drafts": [5]}, "test.toml: 'drafts' must list model aliases (text), got 5"),
     ({"drafts": [["smollm2-135m"]]}, "test.toml: 'drafts' must list model aliases (text), got"),
-    ({"name": 5}, "test.toml: 'name' must be text, got 5"),
+    ({"name": 5}, "test.toml: 'name' must be some text (or be left out), got 5"),
+    ({"name": " "}, "test.toml: 'name' must be some text (or be left out), got ' '"),
     ({"seeds": [-1]}, "test.toml: seed must be between 0 and"),
     ({"target": "qwen2.5-coder-1.5b", "drafts": ["gemma3-270m"], "raw": False}, "test.toml: draft gemma3-270m has no chat template but qwen2.5-coder-1.5b runs in chat mode: add raw = true"),
     ({"repeats": 0}, "'repeats' must be a whole number of at least 1"),
@@ -195,6 +198,9 @@ def test_not_toml_is_one_line(tmp_path):
     path.write_text("target = [\n")
     result = CliRunner().invoke(main, ["enqueue", "sweep", "--config", str(path)])
     assert result.exit_code == 1 and f"{path}: not valid TOML" in result.output and result.output.count("\n") == 1
+    path.write_bytes(b'target = "gemma3-270m"\nname = "\xc5\x81odz \xff"\n')  # UTF-8 up to the last byte
+    result = CliRunner().invoke(main, ["enqueue", "sweep", "--config", str(path)])
+    assert result.exit_code == 1 and result.output == f"polspec: error: {path}:2: not UTF-8: byte 0xff\n"
 
 
 @pytest.fixture
@@ -504,6 +510,17 @@ def test_hugging_face_rows_are_checked_like_file_lines():
         parse_items(_hugging_face_rows("o/n", rows, None), "hf:o/n", DecodingParams())
 
 
+def test_a_dataset_line_that_sets_decoding_options_is_refused_by_a_sweep(tmp_path):
+    """The sweep's cells would decode it with their own settings, so the line's would be
+    dropped, and its max_tokens judged the prompt's fit against the context instead of theirs."""
+    path = tmp_path / "tuned.jsonl"
+    path.write_text('{"id": "a", "prompt": "Ala ma kota"}\n{"id": "b", "prompt": "Kot", "max_tokens": 1, "k": 3}\n',
+                    encoding="utf-8")
+    with pytest.raises(PolspecError, match=rf"^{path}:2: item 'b' sets k, max_tokens, but a sweep decodes every "
+                                           r"prompt with its cell's settings: remove it"):
+        expand_sweep(config(datasets=[str(path)]), "test.toml")
+
+
 def test_datasets_from_jsonl_files_and_a_clear_error_for_hf_without_the_package(tmp_path):
     from polspec.decoding.params import DecodingParams
     from polspec.jobs.datasets import load_dataset
@@ -633,7 +650,7 @@ def test_the_report_pairs_each_temperature_with_its_own_baseline_and_shows_tempe
     assert code == 0, output
     sweep = json.loads(output)["batch"]
     rows = stored(env)
-    assert len(rows) == 2 * (1 + 2 * 2) * 2  # temperatures x (baseline + k x verify) x prompts
+    assert len(rows) == (1 + 2 + 1 + 2 * 2) * 2  # (greedy: baseline + k; sampled: baseline + k x verify) x prompts
 
     # Baselines differ by temperature as well as by prompt: pairing across temperatures shows.
     base_speed = {("short-001", 0.0): 10.0, ("short-002", 0.0): 31.0, ("short-001", 0.7): 7.0, ("short-002", 0.7): 19.0}
@@ -652,7 +669,8 @@ def test_the_report_pairs_each_temperature_with_its_own_baseline_and_shows_tempe
     assert code == 0, output
     report = json.loads(output.splitlines()[0])
     assert sorted((row["temperature"], row["verify"], row["k"]) for row in report["rows"]) == [
-        (temperature, verify, k) for temperature in (0.0, 0.7) for verify in ("exact", "tli") for k in ("1", "2")]
+        (0.0, "exact", "1"), (0.0, "exact", "2"),
+        *((0.7, verify, k) for verify in ("exact", "tli") for k in ("1", "2"))]
     for row in report["rows"]:
         factor = sampled_factor_of(row)
         assert (row["speedup"], row["speedup_low"], row["speedup_high"]) == pytest.approx((factor, factor, factor))

@@ -13,6 +13,13 @@ from polspec.errors import PolspecError
 from polspec.jobs.datasets import DATASETS, load_dataset
 
 
+def _batch_name(name: str | None) -> str | None:
+    # A blank name could never be found again to resume the batch (a name is how it is found).
+    if name is not None and not name.strip():
+        raise PolspecError("--name needs some text in it (or leave it out)")
+    return name
+
+
 @click.group()
 def enqueue() -> None:
     """Queue work for `polspec worker`; results land in the database (polspec status, results)."""
@@ -24,7 +31,8 @@ def enqueue() -> None:
                    "- reads standard input.")
 @click.option("--dataset", help="A built-in Polish set instead: " + ", ".join(DATASETS) + "; a .jsonl path; or hf:OWNER/NAME[:SPLIT].")
 @click.option("--limit", type=int, help="Take only the first N prompts (default: all).")
-@click.option("--name", help="Name the batch; enqueueing again under the same name adds only new ids.")
+@click.option("--name", callback=lambda ctx, param, value: _batch_name(value),
+              help="Name the batch; enqueueing again under the same name adds only new ids.")
 @decoding_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object: batch, name, queue, added, existing.")
 def generate(input_path: str | None, dataset: str | None, limit: int | None, name: str | None, target: str,

@@ -15,6 +15,10 @@ DRAFT_VOCAB = ("auto", "full")  # or a number of tokens, see polspec.decoding.dr
 MIN_DRAFT_VOCAB = 1024
 # Seeds are stored in 64-bit signed integer columns and become MLX random keys (unsigned 64-bit).
 MAX_SEED = 2**63 - 1
+# More than any model's context (the worker, and enqueue where the target's files are here,
+# refuse what exceeds the target's own); a bound for where they are not, so that a typo with
+# twenty digits is not queued with a job timeout no worker could set.
+MAX_TOKENS = 2**20
 VERIFY = ("auto", "exact", "tli")  # how a sampled round is verified, see polspec.decoding.speculative_sampling
 
 
@@ -72,8 +76,8 @@ class DecodingParams:
                                    f"got {self.draft_vocab!r}")
         elif not is_whole_number(self.draft_vocab) or self.draft_vocab < MIN_DRAFT_VOCAB:
             raise PolspecError(f"draft_vocab must be at least {MIN_DRAFT_VOCAB} tokens, auto or full, got {self.draft_vocab!r}")
-        if self.max_tokens < 1:
-            raise PolspecError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not 1 <= self.max_tokens <= MAX_TOKENS:
+            raise PolspecError(f"max_tokens must be at least 1 and at most {MAX_TOKENS:,}, got {self.max_tokens}")
         if isinstance(self.k, str):
             if self.k not in K_POLICIES:
                 raise PolspecError(f"k must be a number from 1 to {MAX_K} or one of {', '.join(K_POLICIES)}, got {self.k!r}")

@@ -42,6 +42,11 @@ def check_text(text: str, what: str) -> None:
                            "which is not text") from None
 
 
+# The roles every chat template knows. Templates treat others each their own way (Qwen2.5's
+# drops them, SmolLM2's prints them), so target and draft would read different prompts.
+ROLES = ("system", "user", "assistant")
+
+
 def check_messages(messages: object) -> None:
     if not isinstance(messages, list) or not messages:
         raise PolspecError("'messages' must be a non-empty list of {role, content} objects")
@@ -49,8 +54,11 @@ def check_messages(messages: object) -> None:
         if (not isinstance(message, dict) or set(message) != {"role", "content"}
                 or not all(isinstance(value, str) for value in message.values())):
             raise PolspecError(f"messages[{index}] must be an object with a string 'role' and 'content'")
-        check_text(message["role"], f"messages[{index}].role")
+        if message["role"] not in ROLES:
+            raise PolspecError(f"messages[{index}].role is {message['role']!r}; it must be one of {', '.join(ROLES)}")
         check_text(message["content"], f"messages[{index}].content")
+    if not any(message["role"] == "user" for message in messages):
+        raise PolspecError("the messages have no 'user' message to answer")
     if not any(message["content"].strip() for message in messages):
         raise PolspecError("the messages are all empty")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import redis
-from sqlalchemy import Engine, delete, func, select
+from sqlalchemy import Engine, delete, func, select, update
 from sqlalchemy.orm import Session
 
 from polspec.errors import PolspecError
@@ -49,18 +49,19 @@ def enqueue_generate(spec: GenerateSpec, items: list[ItemInput], name: str | Non
     queue_url = queue_url or redis_url()
     connection = connect(queue_url)
     with upgraded_database(db_url) as engine:
-        batch_id, created, new_items, existing = _write_batch(engine, spec, items, name)
-        _enqueue_or_undo(engine, connection, queue_url, queue_name(spec.target), new_items,
-                         batch_id if created else None)
+        batch_id, before, new_items, existing = _write_batch(engine, spec, items, name)
+        _enqueue_or_undo(engine, connection, queue_url, queue_name(spec.target), new_items, batch_id, before)
         return Enqueued(batch_id, name, queue_name(spec.target), len(new_items), existing)
 
 
 def _write_batch(engine: Engine, spec: GenerateSpec, items: list[ItemInput],
-                 name: str | None) -> tuple[int, bool, list[tuple[int, int]], int]:
+                 name: str | None) -> tuple[int, str | None, list[tuple[int, int]], int]:
+    """The batch's id, its status before (None: created here), its new items as (id,
+    max_tokens), and how many of ``items`` it had already."""
     wanted = spec.as_dict()
     with session_scope(engine) as session:
         batch = session.scalar(select(Batch).where(Batch.name == name)) if name else None
-        created = batch is None
+        before = batch.status if batch is not None else None
         if batch is None:
             batch = Batch(kind="generate", name=name, spec=wanted)
             session.add(batch)
@@ -75,7 +76,7 @@ def _write_batch(engine: Engine, spec: GenerateSpec, items: list[ItemInput],
         session.flush()
         if rows and batch.status not in UNFINISHED:
             batch.status = Status.QUEUED.value
-        return batch.id, created, [(row.id, row.params["max_tokens"]) for row in rows], len(items) - len(rows)
+        return batch.id, before, [(row.id, row.params["max_tokens"]) for row in rows], len(items) - len(rows)
 
 
 def _check_same_request(batch: Batch, wanted: dict) -> None:
@@ -88,22 +89,33 @@ def _check_same_request(batch: Batch, wanted: dict) -> None:
             what = ", ".join(f"{name} ({stored.get(name)!r}, not {wanted[key].get(name)!r})" for name in differ)
             raise PolspecError(f"batch {batch.name!r} (id {batch.id}) exists with different parameters: {what}; "
                                "choose another --name")
+        if key == "chat":
+            stored, wanted_now = _CHAT_MODES[stored], _CHAT_MODES[wanted[key]]
+            raise PolspecError(f"batch {batch.name!r} (id {batch.id}) was queued as {stored}, not {wanted_now}; "
+                               "choose another --name")
         raise PolspecError(f"batch {batch.name!r} (id {batch.id}) exists with a different {key}: "
                            f"{stored!r}, not {wanted[key]!r}; choose another --name")
 
 
+# A generation spec's ``chat``, in the words of the options that set it.
+_CHAT_MODES = {None: "chat where the target has a template (the default)", False: "raw text (--raw)",
+               True: "chat"}
+
+
 def _enqueue_or_undo(engine: Engine, connection: redis.Redis, queue_url: str, name: str,
-                     items: list[tuple[int, int]], created_batch: int | None) -> None:
+                     items: list[tuple[int, int]], batch_id: int, before: str | None) -> None:
     """Enqueue the jobs of rows just written; if Redis fails, delete those rows again (the whole
-    batch when it was created here) so that nothing is left half-created."""
+    batch when it was created here, ``before`` None; else its status goes back to ``before``)
+    so that nothing is left half-created."""
     try:
         enqueue_items(connection, name, database_id(engine), items)
     except redis.RedisError as error:
         with session_scope(engine) as session:
-            if created_batch is not None:
-                session.execute(delete(Batch).where(Batch.id == created_batch))
+            if before is None:
+                session.execute(delete(Batch).where(Batch.id == batch_id))
             else:
                 session.execute(delete(Item).where(Item.id.in_([item_id for item_id, _ in items])))
+                session.execute(update(Batch).where(Batch.id == batch_id).values(status=before))
         raise PolspecError(f"Redis at {display_redis_url(queue_url)} failed while enqueueing ({error}); "
                            "nothing was added to the database") from None
 
@@ -147,7 +159,7 @@ def enqueue_sweep(plan: SweepPlan, *, db_url: str | None = None, queue_url: str 
         if batch is not None:
             enqueued = recover(engine, connection, batch_id).total
         else:
-            _enqueue_or_undo(engine, connection, queue_url, name, new_items, batch_id)
+            _enqueue_or_undo(engine, connection, queue_url, name, new_items, batch_id, None)
             enqueued = len(new_items)
         with session_scope(engine) as session:
             done = session.scalar(select(func.count()).select_from(Item)

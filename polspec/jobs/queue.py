@@ -50,6 +50,12 @@ def display_redis_url(url: str) -> str:
 def connect(url: str | None = None) -> redis.Redis:
     """A checked connection to ``url`` (default ``POLSPEC_REDIS_URL``); unreachable is a one-line error."""
     url = url or redis_url()
+    parts = urlsplit(url)
+    database = parts.path.strip("/")
+    if parts.scheme in ("redis", "rediss") and database and not (database.isascii() and database.isdigit()):
+        # redis-py would ignore it and use database 0: another database's queues
+        raise PolspecError(f"not a Redis URL: {display_redis_url(url)} (after the port comes a database "
+                           f"number, not {database!r})")
     try:
         connection = redis.Redis.from_url(url, socket_connect_timeout=5, health_check_interval=30)
         connection.ping()

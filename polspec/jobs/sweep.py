@@ -103,10 +103,14 @@ class SweepPlan:
 def load_sweep(path: Path) -> SweepPlan:
     """Read, validate and expand a sweep file; every problem is one error naming the file and key."""
     try:
-        config = tomllib.loads(path.read_text(encoding="utf-8"))
+        data = path.read_bytes()
+        config = tomllib.loads(data.decode("utf-8"))
     except OSError as error:
         raise PolspecError(f"{path}: {error.strerror}") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
+    except UnicodeDecodeError as error:
+        line = data[:error.start].count(b"\n") + 1
+        raise PolspecError(f"{path}:{line}: not UTF-8: byte 0x{data[error.start]:02x}") from None
+    except tomllib.TOMLDecodeError as error:
         raise PolspecError(f"{path}: not valid TOML: {error}") from None
     return expand_sweep(config, str(path))
 
@@ -118,12 +122,15 @@ def expand_sweep(config: dict[str, Any], source: str) -> SweepPlan:
         raise PolspecError(f"{source}: unknown key {unknown[0]!r} (allowed: {', '.join(sorted(SWEEP_KEYS))})")
     if not isinstance(config.get("target"), str):
         raise PolspecError(f"{source}: 'target' must name the target model")
-    if not isinstance(config.get("name", ""), str):
-        raise PolspecError(f"{source}: 'name' must be text, got {config['name']!r}")
+    if not isinstance(config.get("name", "x"), str) or not config.get("name", "x").strip():
+        raise PolspecError(f"{source}: 'name' must be some text (or be left out), got {config['name']!r}")
     grid = {key: _list(config, key, source) for key in GRID_KEYS if key != "datasets"}
     _check_aliases(config["target"], grid["drafts"], source)
     datasets = _datasets(config, source)
     temperatures, verifies = _temperatures(config, source), _verifies(config, source)
+    if len(verifies) > 1 and not any(temperatures):
+        raise PolspecError(f"{source}: 'verify' lists {len(verifies)} ways, but every temperature is 0, where "
+                           "decoding is greedy and always verifies by exact match: each would decode the same")
     repeats = _at_least_one(config.get("repeats", 1), "'repeats'", source)
     for size in grid["batch"]:
         _at_least_one(size, "every 'batch' size", source)
@@ -138,6 +145,11 @@ def expand_sweep(config: dict[str, Any], source: str) -> SweepPlan:
     except PolspecError as error:
         raise PolspecError(f"{source}: 'datasets': {error}") from None
     every_item = [item for items in prompts.values() for item in items]
+    tuned = next((item for item in every_item if item.overrides), None)
+    if tuned is not None:  # a cell's settings are what the sweep compares: one line may not change them
+        raise PolspecError(f"{tuned.where or source}: item {tuned.key!r} sets {', '.join(sorted(tuned.overrides))}, "
+                           "but a sweep decodes every prompt with its cell's settings: remove it from the line "
+                           "(the sweep file sets them)")
     try:
         for draft in [None, *grid["drafts"]]:
             check_models(GenerateSpec(spec.target, draft, base, spec.chat, source), every_item,
@@ -158,8 +170,9 @@ def expand_sweep(config: dict[str, Any], source: str) -> SweepPlan:
                             {"dataset": dataset, "draft": None, **sampled, "batch": batch}, True,
                             _params(config, source, **sampled, verify=verifies[0]))
         cells = [baseline]
+        # Greedy cells verify by exact match whatever 'verify' says: one of them, not one per way.
         for draft, strategy, k, prefix, verify in product(grid["drafts"], grid["strategies"], grid["k"],
-                                                          grid["prefix"], verifies):
+                                                          grid["prefix"], verifies if temperature else verifies[:1]):
             check = f"/v{verify}" if len(verifies) > 1 else ""
             cells.append(CellPlan(
                 f"{dataset}/{draft}/{strategy}/k{k}/p{prefix}{check}/s{seed}{heat}{size}",
