@@ -180,7 +180,7 @@ def test_cancel_drops_queued_items_and_their_jobs(env, tmp_path):
     code, output = cli(env, "retry", str(batch), "--cancelled")  # resume the cancelled batch
     assert code == 0 and "4 cancelled items queued again" in output
     assert queue.count == 4
-    assert json.loads(cli(env, "status", str(batch), "--json")[1])["status"] == "running"
+    assert json.loads(cli(env, "status", str(batch), "--json")[1])["status"] == "queued"  # no worker yet
     assert work(env)
     assert {item.status for item, result in results_by_key(env).values() if result} == {"done"}
     assert json.loads(cli(env, "status", str(batch), "--json")[1])["status"] == "done"

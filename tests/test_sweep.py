@@ -127,6 +127,10 @@ def test_temperatures_and_verify_are_grid_dimensions_and_single_values_keep_the_
     assert len(plan.items) == 5 * 2
     with pytest.raises(PolspecError, match=r"^test.toml: 'verify' lists 2 ways, but every temperature is 0, where "):
         expand_sweep(config(**grid, temperatures=[0], verify=["exact", "tli"]), "test.toml")
+    # The size is known before any item is built: one past the cap is refused, not built for ever.
+    with pytest.raises(PolspecError, match=r"^test.toml: the sweep would queue 1,000,010 items, more than 1,000,000"):
+        expand_sweep(config(**(grid | {"repeats": 100_001}), temperatures=[0, 0.7], verify=["exact", "tli"]),
+                     "test.toml")
 
     # Absent, scalar or single-valued, they leave the keys of older sweeps as they were.
     old = [cell.key for cell in expand_sweep(config(**grid), "test.toml").cells]
@@ -345,6 +349,22 @@ def test_the_interval_of_close_ratios_is_the_t_interval():
     assert mean_interval(ratios) == pytest.approx((1.2, 1.2 - half, 1.2 + half), abs=1e-3)
 
 
+def test_a_sweep_whose_dataset_gained_prompts_is_not_resumed_without_them(env, tmp_path):
+    data = tmp_path / "mine.jsonl"
+    data.write_text('{"id": "a", "prompt": "Ala ma kota"}\n{"id": "b", "prompt": "Kot ma Alę"}\n', encoding="utf-8")
+    sweep_file = tmp_path / "mine.toml"
+    sweep_file.write_text(SMALL.replace('datasets = [{ name = "pl-short", limit = 2 }]', f'datasets = ["{data}"]'))
+    code, output = cli(env, "enqueue", "sweep", "--config", str(sweep_file))
+    assert code == 0 and "5 cells, 10 items" in output
+    with data.open("a", encoding="utf-8") as lines:
+        lines.write('{"id": "c", "prompt": "Pies ma kość"}\n')
+    code, output = cli(env, "enqueue", "sweep", "--config", str(sweep_file))
+    assert code == 1 and output == ("polspec: error: sweep 'small' (id 1) was enqueued over other prompts: its datasets "
+                                    f"now give 5 items it lacks (first: '{data}/baseline/s0/c/r0'); give the sweep "
+                                    "another name\n")
+    assert len(stored(env)) == 10
+
+
 def test_resuming_reopens_a_cancelled_sweep_and_keeps_a_finished_one_done(env, tmp_path):
     sweep_file = tmp_path / "small.toml"
     sweep_file.write_text(SMALL)
@@ -357,7 +377,7 @@ def test_resuming_reopens_a_cancelled_sweep_and_keeps_a_finished_one_done(env, t
     code, output = cli(env, "enqueue", "sweep", "--config", str(sweep_file))
     assert code == 0 and "0 enqueued on polspec-gemma3-270m, 10 still queued or running, 0 already done" in output
     progress = json.loads(cli(env, "status", str(batch), "--json")[1].splitlines()[0])
-    assert progress["status"] == "running" and progress["drafts"] == ["smollm2-135m"]
+    assert progress["status"] == "queued" and progress["drafts"] == ["smollm2-135m"]  # resumed, not yet run
     assert "gemma3-270m + smollm2-135m" in cli(env, "status", str(batch))[1]
 
     engine = make_engine(env["POLSPEC_DB_URL"])

@@ -150,6 +150,7 @@ def enqueue_sweep(plan: SweepPlan, *, db_url: str | None = None, queue_url: str 
                 if batch.kind != "sweep" or batch.spec.get("config") != plan.config:
                     raise PolspecError(f"a batch named {plan.name!r} (id {batch.id}) exists with another "
                                        "configuration; give the sweep another name")
+                _check_same_prompts(session, batch, plan)
                 reopen_items(session, batch, (Status.FAILED, Status.CANCELLED))
                 batch.status = Status.RUNNING.value  # reopened even with nothing to rerun: judged by its items
                 settle_batch(session, batch)
@@ -164,8 +165,19 @@ def enqueue_sweep(plan: SweepPlan, *, db_url: str | None = None, queue_url: str 
         with session_scope(engine) as session:
             done = session.scalar(select(func.count()).select_from(Item)
                                   .where(Item.batch_id == batch_id, Item.status == Status.DONE.value))
-        return SweepEnqueued(batch_id, plan.name, name, len(plan.cells), len(plan.items), enqueued, done,
-                             batch is not None)
+            cells = session.scalar(select(func.count()).select_from(Cell).where(Cell.batch_id == batch_id))
+            items = session.scalar(select(func.count()).select_from(Item).where(Item.batch_id == batch_id))
+        return SweepEnqueued(batch_id, plan.name, name, cells, items, enqueued, done, batch is not None)
+
+
+def _check_same_prompts(session: Session, batch: Batch, plan: SweepPlan) -> None:
+    """A sweep resumes only where its file gives no item it lacks: a dataset edited since to add
+    prompts would otherwise have them left out, unseen (resuming adds no items)."""
+    stored = set(session.scalars(select(Item.item_key).where(Item.batch_id == batch.id)))
+    new = sorted({item.key for item in plan.items} - stored)
+    if new:
+        raise PolspecError(f"sweep {plan.name!r} (id {batch.id}) was enqueued over other prompts: its datasets now "
+                           f"give {len(new)} items it lacks (first: {new[0]!r}); give the sweep another name")
 
 
 def _write_sweep(session: Session, plan: SweepPlan) -> tuple[int, list[tuple[int, int]]]:

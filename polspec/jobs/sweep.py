@@ -65,6 +65,9 @@ GRID_KEYS = ("drafts", "strategies", "k", "prefix", "datasets", "seeds", "batch"
 # own; a sweep's seed is 0 rather than the command line's none so that its samples repeat.
 # `drafts` and `datasets` it must name.
 _DEFAULT = DecodingParams()
+# More items than an overnight sweep decodes on any machine (a million 128-token generations
+# of a 1.5B model is weeks of an M2 Pro), and few enough to write in one enqueue.
+MAX_SWEEP_ITEMS = 1_000_000
 GRID_DEFAULTS = {"strategies": [_DEFAULT.strategy], "k": [_DEFAULT.k], "prefix": [_DEFAULT.prefix], "seeds": [0],
                  "batch": [1]}
 
@@ -158,6 +161,15 @@ def expand_sweep(config: dict[str, Any], source: str) -> SweepPlan:
     except PolspecError as error:
         raise PolspecError(f"{source}: {error}") from None
 
+    sampled_ways = sum(len(verifies) if temperature else 1 for temperature in temperatures)
+    per_prompt = len(grid["seeds"]) * len(grid["batch"]) * (
+        len(temperatures) + sampled_ways * len(grid["drafts"]) * len(grid["strategies"]) * len(grid["k"])
+        * len(grid["prefix"])) * repeats
+    total = per_prompt * len(every_item)
+    if total > MAX_SWEEP_ITEMS:  # before building them: a typo in 'repeats' would not end
+        raise PolspecError(f"{source}: the sweep would queue {total:,} items, more than {MAX_SWEEP_ITEMS:,}: "
+                           "cut its repeats, seeds, grid or dataset limits")
+
     plan = SweepPlan(config.get("name") or _default_name(config), spec, dict(config))
     per_dataset: dict[str, list[CellPlan]] = {}
     for (dataset, _), seed, temperature, batch in product(datasets, grid["seeds"], temperatures, grid["batch"]):
@@ -235,10 +247,15 @@ def _temperatures(config: dict[str, Any], source: str) -> list[float]:
 
 def _verifies(config: dict[str, Any], source: str) -> list:
     """The sweep's verification settings: ``verify`` as a list, or one value (older files) as a
-    list of one; DecodingParams checks each value."""
-    if isinstance(config.get("verify"), list):
-        return _list(config, "verify", source)
-    return [config.get("verify", _DEFAULT.verify)]
+    list of one, each checked by DecodingParams."""
+    verifies = _list(config, "verify", source) if isinstance(config.get("verify"), list) \
+        else [config.get("verify", _DEFAULT.verify)]
+    for verify in verifies:
+        try:
+            DecodingParams(verify=verify)
+        except PolspecError as error:
+            raise PolspecError(f"{source}: {error}") from None
+    return verifies
 
 
 def _number(value: float) -> str:

@@ -213,12 +213,16 @@ def reopen_items(session: Session, batch: Batch, statuses: tuple[Status, ...]) -
 
 
 def settle_batch(session: Session, batch: Batch) -> None:
-    """Mark the batch done (or failed) once no item of it is queued or running."""
+    """Mark the batch by its items: queued while every unfinished one is queued and none has
+    finished (nothing has run, or a retry queued all of it again), running while some run or
+    wait beside finished ones, else done (or failed)."""
     session.flush()
     if batch.status == Status.CANCELLED.value:
         return
     statuses = set(session.scalars(select(Item.status).where(Item.batch_id == batch.id).distinct()))
-    if statuses & set(UNFINISHED):
+    if statuses == {Status.QUEUED.value}:
+        batch.status = Status.QUEUED.value
+    elif statuses & set(UNFINISHED):
         batch.status = Status.RUNNING.value
     elif Status.FAILED.value in statuses:
         batch.status = Status.FAILED.value
