@@ -529,6 +529,14 @@ def test_hugging_face_rows_are_checked_like_file_lines():
     with pytest.raises(PolspecError, match=r"^hf:o/n row 2: duplicate id 'a' \(first on row 0\)$"):
         parse_items(_hugging_face_rows("o/n", rows, None), "hf:o/n", DecodingParams())
 
+    def streamed():  # the hub dropped the connection after two rows
+        yield from rows[:2]
+        raise ConnectionError("Connection reset by peer")
+
+    with pytest.raises(PolspecError, match=r"^hf:o/n: reading row 2 failed: Connection reset by peer$"):
+        parse_items(_hugging_face_rows("o/n", streamed(), None), "hf:o/n", DecodingParams())
+    assert len(parse_items(_hugging_face_rows("o/n", streamed(), 2), "hf:o/n", DecodingParams())) == 2
+
 
 def test_a_dataset_line_that_sets_decoding_options_is_refused_by_a_sweep(tmp_path):
     """The sweep's cells would decode it with their own settings, so the line's would be

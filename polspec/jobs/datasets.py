@@ -15,6 +15,7 @@ such a file, and ``hf:OWNER/NAME[:SPLIT]`` for a Hugging Face dataset (needs the
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Iterator
 from importlib import resources
 from pathlib import Path
@@ -70,9 +71,16 @@ def _hugging_face(name: str, base: DecodingParams, limit: int | None) -> list[It
 def _hugging_face_rows(name: str, rows: Iterable[dict], limit: int | None) -> Iterator[tuple[str, str, dict]]:
     """("hf:NAME row N", "row N", a prompt object) for the first ``limit`` rows, from the first text
     column of :data:`HF_COLUMNS` the row has; the row number is the id where there is none."""
-    for index, row in enumerate(rows):
+    streamed = iter(rows)
+    for index in itertools.count():
         if limit is not None and index >= limit:
             return
+        try:
+            row = next(streamed)
+        except StopIteration:
+            return
+        except Exception as error:  # a streamed set reads as it goes: the hub can fail at any row
+            raise PolspecError(f"hf:{name}: reading row {index} failed: {error}") from None
         column = next((key for key in HF_COLUMNS if isinstance(row.get(key), str)), None)
         if column is None:
             raise PolspecError(f"hf:{name}: rows have none of the columns {', '.join(HF_COLUMNS)}")
