@@ -72,6 +72,10 @@ def test_doctor_fails_on_a_file_that_is_no_database_and_on_a_newer_schema(redis_
     assert code == 0 and output == f"{newer}: {newer_schema}\n"
     code, output = invoke("status", env=env)
     assert code == 1 and output == f"polspec: error: database {newer}: {newer_schema}\n"
+    # A Redis URL that enqueue refuses is no healthy Redis to doctor either
+    env["POLSPEC_REDIS_URL"] = redis_url.rsplit("/", 1)[0] + "/abc"
+    redis_report = json.loads(invoke("doctor", "--json", env=env)[1])["redis"]
+    assert not redis_report["reachable"] and redis_report["error"].startswith("not a Redis URL: ")
 
 
 @pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs procfs, where no file can be created")

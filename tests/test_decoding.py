@@ -206,6 +206,10 @@ def test_invalid_parameters(kwargs, message):
         DecodingParams(**kwargs)
 
 
+def test_the_bounds_themselves_are_valid():
+    assert DecodingParams(max_tokens=2**20, seed=2**63 - 1, k=16, k_max=16, top_p=1.0).max_tokens == 2**20
+
+
 @pytest.mark.parametrize("args, message", [
     (["--k", "0"], "--k must be between 1 and 16, got 0"),
     (["--top-p", "0"], "--top-p must be in (0, 1], got 0.0"),

@@ -26,7 +26,9 @@ from polspec.store.schema import Batch, Item
 
 GOOD = [
     {"id": "a", "prompt": "Jaka jest stolica Czech?"},
-    {"id": "b", "messages": [{"role": "user", "content": "Napisz haiku o Wiśle."}], "max_tokens": 5},
+    {"id": "b", "messages": [{"role": "system", "content": "Odpowiadaj krótko."},
+                             {"role": "user", "content": "Napisz haiku."}, {"role": "assistant", "content": "O czym?"},
+                             {"role": "user", "content": "O Wiśle."}], "max_tokens": 5},
     {"id": 3, "prompt": "Ile nóg ma pająk?", "temperature": 0.7, "seed": 1},
 ]
 
@@ -294,6 +296,9 @@ def test_a_redis_database_number_the_server_lacks_is_named_as_such(env, tmp_path
     assert code == 1 and output == (f"polspec: error: not a Redis URL: {server}/abc (after the port comes a database "
                                     "number, not 'abc')\n")
     assert counts(env) == (0, 0, 0)
+    for accepted in (server, f"{server}/", f"{server}/0"):  # no database part, or an empty one, is database 0
+        assert invoke(dict(env, POLSPEC_REDIS_URL=accepted), "--input", str(source), "--target", "smollm2-135m")[0] == 0
+    assert counts(env) == (3, 9, 9)
 
 
 def test_redis_failing_while_enqueueing_leaves_the_database_as_it_was(env, tmp_path, redis_server):

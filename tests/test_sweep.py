@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import json
 from datetime import UTC, datetime, timedelta
@@ -21,6 +22,7 @@ from polspec.decoding.params import DecodingParams
 from polspec.decoding.probe_files import save_probe
 from polspec.errors import PolspecError
 from polspec.jobs.spec import ITEM_PARAMS
+from polspec.jobs import sweep as sweep_module
 from polspec.jobs.sweep import expand_sweep, load_sweep
 from polspec.report.render import markdown
 from polspec.report.summary import (CellKey, Pair, Row, SweepReport, Window, cell_row, joules_per_token, mean_interval,
@@ -125,8 +127,9 @@ def test_temperatures_and_verify_are_grid_dimensions_and_single_values_keep_the_
     assert {(item.item.overrides["temperature"], item.item.overrides["verify"]) for item in plan.items
             if item.cell == plan.cells[4].key} == {(0.7, "tli")}
     assert len(plan.items) == 5 * 2
-    with pytest.raises(PolspecError, match=r"^test.toml: 'verify' lists 2 ways, but every temperature is 0, where "):
-        expand_sweep(config(**grid, temperatures=[0], verify=["exact", "tli"]), "test.toml")
+    greedy = expand_sweep(config(**grid, temperatures=[0], verify=["exact", "tli"]), "test.toml")
+    assert [cell.key for cell in greedy.cells] == [
+        "pl-short/baseline/s0/t0", "pl-short/smollm2-135m/aligned/k2/p5/vexact/s0/t0"]
     # The size is known before any item is built: one past the cap is refused, not built for ever.
     with pytest.raises(PolspecError, match=r"^test.toml: the sweep would queue 1,000,010 items, more than 1,000,000"):
         expand_sweep(config(**(grid | {"repeats": 100_001}), temperatures=[0, 0.7], verify=["exact", "tli"]),
@@ -143,6 +146,17 @@ def test_temperatures_and_verify_are_grid_dimensions_and_single_values_keep_the_
     # One listed temperature is a grid of one: its key says so.
     assert [cell.key for cell in expand_sweep(config(**grid, temperatures=[1.0]), "test.toml").cells] == [
         "pl-short/baseline/s0/t1", "pl-short/smollm2-135m/aligned/k2/p5/s0/t1"]
+
+
+def test_the_size_a_sweep_is_refused_at_is_the_size_it_builds(monkeypatch):
+    wide = config(datasets=["pl-short", {"name": "pl-wiki", "limit": 3}], seeds=[0, 1], batch=[1, 4],
+                  temperatures=[0, 0.7], verify=["exact", "tli"], k=[1, 2], repeats=2)
+    built = len(expand_sweep(wide, "test.toml").items)
+    monkeypatch.setattr(sweep_module, "MAX_SWEEP_ITEMS", built)
+    assert len(expand_sweep(wide, "test.toml").items) == built
+    monkeypatch.setattr(sweep_module, "MAX_SWEEP_ITEMS", built - 1)
+    with pytest.raises(PolspecError, match=rf"^test.toml: the sweep would queue {built:,} items, more than"):
+        expand_sweep(wide, "test.toml")
 
 
 def test_temperature_and_temperatures_together_is_one_line(tmp_path):
@@ -204,7 +218,10 @@ def test_not_toml_is_one_line(tmp_path):
     assert result.exit_code == 1 and f"{path}: not valid TOML" in result.output and result.output.count("\n") == 1
     path.write_bytes(b'target = "gemma3-270m"\nname = "\xc5\x81odz \xff"\n')  # UTF-8 up to the last byte
     result = CliRunner().invoke(main, ["enqueue", "sweep", "--config", str(path)])
-    assert result.exit_code == 1 and result.output == f"polspec: error: {path}:2: not UTF-8: byte 0xff\n"
+    assert result.exit_code == 1 and result.output == f"polspec: error: {path}:2: not UTF-8 (byte 0xff at column 15)\n"
+    path.write_bytes(codecs.BOM_UTF8 + b"target = 5\n")  # a BOM is read past, to the TOML's own mistake
+    result = CliRunner().invoke(main, ["enqueue", "sweep", "--config", str(path)])
+    assert result.exit_code == 1 and result.output == f"polspec: error: {path}: 'target' must name the target model\n"
 
 
 @pytest.fixture
@@ -533,7 +550,7 @@ def test_hugging_face_rows_are_checked_like_file_lines():
         yield from rows[:2]
         raise ConnectionError("Connection reset by peer")
 
-    with pytest.raises(PolspecError, match=r"^hf:o/n: reading row 2 failed: Connection reset by peer$"):
+    with pytest.raises(PolspecError, match=r"^hf:o/n row 2: reading it failed: Connection reset by peer$"):
         parse_items(_hugging_face_rows("o/n", streamed(), None), "hf:o/n", DecodingParams())
     assert len(parse_items(_hugging_face_rows("o/n", streamed(), 2), "hf:o/n", DecodingParams())) == 2
 

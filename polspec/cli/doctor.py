@@ -15,9 +15,14 @@ from polspec.store.engine import display_url
 def _redis_report(url: str) -> dict:
     import redis
 
-    from polspec.jobs.queue import display_redis_url
+    from polspec.jobs.queue import check_redis_url, display_redis_url
 
     report = {"url": display_redis_url(url), "reachable": False}
+    try:
+        check_redis_url(url)
+    except PolspecError as error:
+        report["error"] = str(error)
+        return report
     try:
         client = redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=2)
         info = client.info("persistence")

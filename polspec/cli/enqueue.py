@@ -95,7 +95,8 @@ def sweep(config_path: Path, as_json: bool) -> None:
     """Queue an evaluation sweep: every draft, strategy, k and prefix on every dataset, plus a
     target-only baseline per dataset, interleaved prompt by prompt so machine drift hits all alike.
 
-    Running the same file again resumes the sweep: finished items are kept.
+    Running the same file again resumes the sweep: finished items are kept (a dataset that has
+    gained prompts since is refused: give the sweep another name).
     Report it with `polspec report SWEEP_ID` when the worker is done.
 
     \b

@@ -80,7 +80,8 @@ def _hugging_face_rows(name: str, rows: Iterable[dict], limit: int | None) -> It
         except StopIteration:
             return
         except Exception as error:  # a streamed set reads as it goes: the hub can fail at any row
-            raise PolspecError(f"hf:{name}: reading row {index} failed: {error}") from None
+            reason = " ".join(str(error).split()) or type(error).__name__
+            raise PolspecError(f"hf:{name} row {index}: reading it failed: {reason}") from None
         column = next((key for key in HF_COLUMNS if isinstance(row.get(key), str)), None)
         if column is None:
             raise PolspecError(f"hf:{name}: rows have none of the columns {', '.join(HF_COLUMNS)}")

@@ -105,8 +105,8 @@ _CHAT_MODES = {None: "chat where the target has a template (the default)", False
 def _enqueue_or_undo(engine: Engine, connection: redis.Redis, queue_url: str, name: str,
                      items: list[tuple[int, int]], batch_id: int, before: str | None) -> None:
     """Enqueue the jobs of rows just written; if Redis fails, delete those rows again (the whole
-    batch when it was created here, ``before`` None; else its status goes back to ``before``)
-    so that nothing is left half-created."""
+    batch when it was created here, ``before`` None; else a status this reopened goes back to
+    ``before``, unless a worker settled it meanwhile) so that nothing is left half-created."""
     try:
         enqueue_items(connection, name, database_id(engine), items)
     except redis.RedisError as error:
@@ -115,7 +115,9 @@ def _enqueue_or_undo(engine: Engine, connection: redis.Redis, queue_url: str, na
                 session.execute(delete(Batch).where(Batch.id == batch_id))
             else:
                 session.execute(delete(Item).where(Item.id.in_([item_id for item_id, _ in items])))
-                session.execute(update(Batch).where(Batch.id == batch_id).values(status=before))
+                if before not in UNFINISHED:
+                    session.execute(update(Batch).where(Batch.id == batch_id, Batch.status == Status.QUEUED.value)
+                                    .values(status=before))
         raise PolspecError(f"Redis at {display_redis_url(queue_url)} failed while enqueueing ({error}); "
                            "nothing was added to the database") from None
 

@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 import redis
 
 from polspec.errors import PolspecError
-from polspec.jobs.queue import connect, display_redis_url
+from polspec.jobs.queue import check_redis_url, connect, display_redis_url
 from polspec.settings import polspec_home, redis_url
 
 START_TIMEOUT_S = 10.0
@@ -29,6 +29,7 @@ def redis_available(url: str | None = None) -> Iterator[bool]:
     Only a loopback URL is started locally: a remote one that does not answer is an error.
     """
     url = url or redis_url()
+    check_redis_url(url)  # a URL that is wrong is no reason to start a server
     try:
         connect(url)
     except PolspecError:

@@ -40,22 +40,33 @@ _ENQUEUE_CHUNK = 1000
 
 def display_redis_url(url: str) -> str:
     """The URL without its password, for messages."""
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError:  # unparsable: hide whatever precedes the host
+        return url if "@" not in url else "***@" + url.rsplit("@", 1)[1]
     if parts.password is None:
         return url
     host = parts.netloc.rsplit("@", 1)[1]
     return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
 
 
+def check_redis_url(url: str) -> None:
+    """Refuse a URL redis-py would misread: it takes a database part that is no number for
+    database 0, where another database's queues may be."""
+    try:
+        parts = urlsplit(url)
+    except ValueError as error:
+        raise PolspecError(f"not a Redis URL: {display_redis_url(url)} ({error})") from None
+    database = parts.path.strip("/")
+    if parts.scheme in ("redis", "rediss") and database and not (database.isascii() and database.isdigit()):
+        raise PolspecError(f"not a Redis URL: {display_redis_url(url)} (after the port comes a database "
+                           f"number, not {database!r})")
+
+
 def connect(url: str | None = None) -> redis.Redis:
     """A checked connection to ``url`` (default ``POLSPEC_REDIS_URL``); unreachable is a one-line error."""
     url = url or redis_url()
-    parts = urlsplit(url)
-    database = parts.path.strip("/")
-    if parts.scheme in ("redis", "rediss") and database and not (database.isascii() and database.isdigit()):
-        # redis-py would ignore it and use database 0: another database's queues
-        raise PolspecError(f"not a Redis URL: {display_redis_url(url)} (after the port comes a database "
-                           f"number, not {database!r})")
+    check_redis_url(url)
     try:
         connection = redis.Redis.from_url(url, socket_connect_timeout=5, health_check_interval=30)
         connection.ping()

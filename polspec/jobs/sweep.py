@@ -16,7 +16,7 @@ other key may be left out and takes the default shown in the comment::
     partial_word = "verify"                     # or "hold" (aligned only; see polspec.decoding.translate)
     draft_vocab = "auto"                        # or "full", or a number of tokens (see polspec.decoding.draft_vocab)
     verify = ["exact", "tli"]                   # sampled rounds: "tli", "exact", "auto" or a list of them; default "auto"
-                                                # (see polspec.decoding.speculative_sampling; speculative cells only)
+                                                # (see polspec.decoding.speculative_sampling; sampled speculative cells only)
     seeds = [0]                                 # default [0]
     repeats = 1                                 # default 1
     batch = [1]                                 # items decoded together, default [1]; [1, 4, 8] measures throughput
@@ -24,7 +24,8 @@ other key may be left out and takes the default shown in the comment::
 
 A *cell* is one configuration (dataset, draft, strategy, k, prefix, verify, seed, temperature,
 batch); every dataset, seed, temperature and batch size also gets a target-only *baseline* cell
-(verification is speculative only). A cell's key names its grid point, with ``/t{temperature}``
+(verification is speculative only, and varies sampled cells only: greedy decoding verifies by
+exact match, so a temperature of 0 gets the first ``verify`` value's cells alone). A cell's key names its grid point, with ``/t{temperature}``
 only when the file lists ``temperatures`` and ``/v{verify}`` only when ``verify`` lists more than
 one value, so that sweeps written before those keys keep their cell keys and still resume. An
 *item* is one prompt in one cell (and one repeat). Items are enqueued prompt by prompt: the baseline item of a
@@ -38,6 +39,7 @@ Batch 1 is the default, so that per-sequence speedups stay comparable to the stu
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 import math
@@ -106,13 +108,14 @@ class SweepPlan:
 def load_sweep(path: Path) -> SweepPlan:
     """Read, validate and expand a sweep file; every problem is one error naming the file and key."""
     try:
-        data = path.read_bytes()
+        data = path.read_bytes().removeprefix(codecs.BOM_UTF8)  # an editor's byte order mark is no error
         config = tomllib.loads(data.decode("utf-8"))
     except OSError as error:
         raise PolspecError(f"{path}: {error.strerror}") from None
     except UnicodeDecodeError as error:
-        line = data[:error.start].count(b"\n") + 1
-        raise PolspecError(f"{path}:{line}: not UTF-8: byte 0x{data[error.start]:02x}") from None
+        line_start = data.rfind(b"\n", 0, error.start) + 1
+        line, column = data.count(b"\n", 0, error.start) + 1, error.start - line_start + 1
+        raise PolspecError(f"{path}:{line}: not UTF-8 (byte 0x{data[error.start]:02x} at column {column})") from None
     except tomllib.TOMLDecodeError as error:
         raise PolspecError(f"{path}: not valid TOML: {error}") from None
     return expand_sweep(config, str(path))
@@ -131,9 +134,6 @@ def expand_sweep(config: dict[str, Any], source: str) -> SweepPlan:
     _check_aliases(config["target"], grid["drafts"], source)
     datasets = _datasets(config, source)
     temperatures, verifies = _temperatures(config, source), _verifies(config, source)
-    if len(verifies) > 1 and not any(temperatures):
-        raise PolspecError(f"{source}: 'verify' lists {len(verifies)} ways, but every temperature is 0, where "
-                           "decoding is greedy and always verifies by exact match: each would decode the same")
     repeats = _at_least_one(config.get("repeats", 1), "'repeats'", source)
     for size in grid["batch"]:
         _at_least_one(size, "every 'batch' size", source)
