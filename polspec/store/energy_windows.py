@@ -1,7 +1,7 @@
 """Energy windows: the measured energy of a batch of items that decoded together.
 
-A worker opens a window when a continuous batch starts (before any of its items finishes, so
-that each result can name it) and closes it when the batch ends. See
+A worker opens a window at a continuous batch's first round (before any of its items finishes,
+so that each result can name it) and closes it when the batch ends. See
 :class:`~polspec.store.schema.EnergyWindow` for what a window holds and what an unclosed one
 means.
 """

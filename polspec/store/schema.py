@@ -277,8 +277,8 @@ class EnergyWindow(Base):
     NULL means the batch is still decoding or its end was never recorded (its worker was
     killed): the joules are unknown.
     ``generated_tokens`` and ``sequences`` count every sequence that decoded in the window,
-    cancelled and failed ones too, so a window whose results hold fewer tokens spent some of its
-    energy on output that was not kept, and its joules are not the kept results' alone.
+    cancelled and failed ones too, so a window whose results are fewer, or hold fewer tokens,
+    spent some of its energy on output that was not kept: its joules are not the kept results' alone.
     """
 
     __tablename__ = "energy_windows"
