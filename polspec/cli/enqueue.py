@@ -93,7 +93,8 @@ def _read_lines(path: str) -> list[bytes]:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object: batch, name, queue, cells, items, enqueued, done, resumed.")
 def sweep(config_path: Path, as_json: bool) -> None:
     """Queue an evaluation sweep: every draft, strategy, k and prefix on every dataset, plus a
-    target-only baseline per dataset, interleaved prompt by prompt so machine drift hits all alike.
+    target-only baseline per dataset (and seed, temperature and batch size), interleaved prompt by
+    prompt so machine drift hits all alike.
 
     Running the same file again resumes the sweep: finished items are kept (a dataset that has
     gained prompts since is refused: give the sweep another name).

@@ -54,7 +54,7 @@ _OPTIONS = [
                  type=NumberOrName(DRAFT_VOCAB, "a number of tokens"),
                  help="Tokens the draft may propose: its N most frequent on Polish text (a cheaper draft step, "
                       "still lossless), full, or auto (16384 where the draft has 32768 or more)."),
-    click.option("--max-tokens", default=128, show_default=True, type=int, help="Tokens to generate at most."),
+    click.option("--max-tokens", default=128, show_default=True, type=int, help="Tokens to generate at most (up to 1,048,576, and the target's context)."),
     click.option("--temperature", default=0.0, show_default=True, type=float, help="0 is greedy decoding."),
     click.option("--top-p", default=1.0, show_default=True, type=float, help="Nucleus sampling mass, in (0, 1]."),
     click.option("--top-k", default=0, show_default=True, type=int, help="Sample among the k likeliest tokens (0: off)."),

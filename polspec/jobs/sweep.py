@@ -17,6 +17,7 @@ other key may be left out and takes the default shown in the comment::
     draft_vocab = "auto"                        # or "full", or a number of tokens (see polspec.decoding.draft_vocab)
     verify = ["exact", "tli"]                   # sampled rounds: "tli", "exact", "auto" or a list of them; default "auto"
                                                 # (see polspec.decoding.speculative_sampling; sampled speculative cells only)
+    top_p = 1.0                                 # default 1.0; top_k = 0 (off) likewise
     seeds = [0]                                 # default [0]
     repeats = 1                                 # default 1
     batch = [1]                                 # items decoded together, default [1]; [1, 4, 8] measures throughput
