@@ -26,8 +26,8 @@ other key may be left out and takes the default shown in the comment::
 A *cell* is one configuration (dataset, draft, strategy, k, prefix, verify, seed, temperature,
 batch); every dataset, seed, temperature and batch size also gets a target-only *baseline* cell
 (verification is speculative only, and varies sampled cells only: greedy decoding verifies by
-exact match, so a temperature of 0 gets the first ``verify`` value's cells alone). A cell's key names its grid point, with ``/t{temperature}``
-only when the file lists ``temperatures`` and ``/v{verify}`` only when ``verify`` lists more than
+exact match, so a temperature of 0 gets the first ``verify`` value's cells alone). A cell's key
+names its grid point, with ``/t{temperature}`` only when the file lists ``temperatures`` and ``/v{verify}`` only when ``verify`` lists more than
 one value, so that sweeps written before those keys keep their cell keys and still resume. An
 *item* is one prompt in one cell (and one repeat). Items are enqueued prompt by prompt: the baseline item of a
 prompt, then every speculative cell's item for the same prompt, so that machine drift (thermal
