@@ -129,8 +129,9 @@ def expand_sweep(config: dict[str, Any], source: str) -> SweepPlan:
         raise PolspecError(f"{source}: unknown key {unknown[0]!r} (allowed: {', '.join(sorted(SWEEP_KEYS))})")
     if not isinstance(config.get("target"), str):
         raise PolspecError(f"{source}: 'target' must name the target model")
-    if not isinstance(config.get("name", "x"), str) or not config.get("name", "x").strip():
-        raise PolspecError(f"{source}: 'name' must be some text (or be left out), got {config['name']!r}")
+    sweep_name = config.get("name", "x")
+    if not isinstance(sweep_name, str) or not sweep_name.strip():
+        raise PolspecError(f"{source}: 'name' must be some text (or be left out), got {sweep_name!r}")
     grid = {key: _list(config, key, source) for key in GRID_KEYS if key != "datasets"}
     _check_aliases(config["target"], grid["drafts"], source)
     datasets = _datasets(config, source)
@@ -162,38 +163,14 @@ def expand_sweep(config: dict[str, Any], source: str) -> SweepPlan:
     except PolspecError as error:
         raise PolspecError(f"{source}: {error}") from None
 
-    sampled_ways = sum(len(verifies) if temperature else 1 for temperature in temperatures)
-    per_prompt = len(grid["seeds"]) * len(grid["batch"]) * (
-        len(temperatures) + sampled_ways * len(grid["drafts"]) * len(grid["strategies"]) * len(grid["k"])
-        * len(grid["prefix"])) * repeats
-    total = per_prompt * len(every_item)
+    per_dataset = {dataset: _cells(config, source, dataset, grid, temperatures, verifies) for dataset, _ in datasets}
+    total = sum(len(per_dataset[dataset]) * len(items) for dataset, items in prompts.items()) * repeats
     if total > MAX_SWEEP_ITEMS:  # before building them: a typo in 'repeats' would not end
         raise PolspecError(f"{source}: the sweep would queue {total:,} items, more than {MAX_SWEEP_ITEMS:,}: "
                            "cut its repeats, seeds, grid or dataset limits")
 
     plan = SweepPlan(config.get("name") or _default_name(config), spec, dict(config))
-    per_dataset: dict[str, list[CellPlan]] = {}
-    for (dataset, _), seed, temperature, batch in product(datasets, grid["seeds"], temperatures, grid["batch"]):
-        # Batch 1, a scalar temperature and a single verify keep the cell keys of older sweeps,
-        # so that they still resume.
-        size = "" if batch == 1 else f"/b{batch}"
-        heat = f"/t{_number(temperature)}" if "temperatures" in config else ""
-        sampled = {"seed": seed, "temperature": temperature}
-        baseline = CellPlan(f"{dataset}/baseline/s{seed}{heat}{size}",
-                            {"dataset": dataset, "draft": None, **sampled, "batch": batch}, True,
-                            _params(config, source, **sampled, verify=verifies[0]))
-        cells = [baseline]
-        # Greedy cells verify by exact match whatever 'verify' says: one of them, not one per way.
-        for draft, strategy, k, prefix, verify in product(grid["drafts"], grid["strategies"], grid["k"],
-                                                          grid["prefix"], verifies if temperature else verifies[:1]):
-            check = f"/v{verify}" if len(verifies) > 1 else ""
-            cells.append(CellPlan(
-                f"{dataset}/{draft}/{strategy}/k{k}/p{prefix}{check}/s{seed}{heat}{size}",
-                {"dataset": dataset, "draft": draft, "strategy": strategy, "k": k, "prefix": prefix,
-                 "verify": verify, **sampled, "batch": batch},
-                False, _params(config, source, k=k, strategy=strategy, prefix=prefix, verify=verify, **sampled)))
-        per_dataset.setdefault(dataset, []).extend(cells)
-        plan.cells.extend(cells)
+    plan.cells = [cell for cells in per_dataset.values() for cell in cells]
     chunk = max(grid["batch"])
     for dataset, _ in datasets:
         runs = list(product(prompts[dataset], range(repeats)))
@@ -204,6 +181,32 @@ def expand_sweep(config: dict[str, Any], source: str) -> SweepPlan:
                     plan.items.append(ItemPlan(cell.key, key, item.key, repeat,
                                                ItemInput(key, item.prompt, item.messages, cell.params.as_dict())))
     return plan
+
+
+def _cells(config: dict[str, Any], source: str, dataset: str, grid: dict[str, list],
+           temperatures: list[float], verifies: list) -> list[CellPlan]:
+    """One dataset's cells, in enqueue order: per seed, temperature and batch size, its baseline
+    then every draft setting."""
+    cells = []
+    for seed, temperature, batch in product(grid["seeds"], temperatures, grid["batch"]):
+        # Batch 1, a scalar temperature and a single verify keep the cell keys of older sweeps,
+        # so that they still resume.
+        size = "" if batch == 1 else f"/b{batch}"
+        heat = f"/t{_number(temperature)}" if "temperatures" in config else ""
+        sampled = {"seed": seed, "temperature": temperature}
+        cells.append(CellPlan(f"{dataset}/baseline/s{seed}{heat}{size}",
+                              {"dataset": dataset, "draft": None, **sampled, "batch": batch}, True,
+                              _params(config, source, **sampled, verify=verifies[0])))
+        # Greedy cells verify by exact match whatever 'verify' says: one of them, not one per way.
+        for draft, strategy, k, prefix, verify in product(grid["drafts"], grid["strategies"], grid["k"],
+                                                          grid["prefix"], verifies if temperature else verifies[:1]):
+            check = f"/v{verify}" if len(verifies) > 1 else ""
+            cells.append(CellPlan(
+                f"{dataset}/{draft}/{strategy}/k{k}/p{prefix}{check}/s{seed}{heat}{size}",
+                {"dataset": dataset, "draft": draft, "strategy": strategy, "k": k, "prefix": prefix,
+                 "verify": verify, **sampled, "batch": batch},
+                False, _params(config, source, k=k, strategy=strategy, prefix=prefix, verify=verify, **sampled)))
+    return cells
 
 
 def _list(config: dict[str, Any], key: str, source: str) -> list:
