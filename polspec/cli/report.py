@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from polspec.cli.files import write_file_atomically
+from polspec.files import write_file_atomically
 from polspec.errors import PolspecError
 
 if TYPE_CHECKING:

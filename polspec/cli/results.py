@@ -11,7 +11,7 @@ import click
 from rich.table import Table
 
 from polspec.cli.console import output_console
-from polspec.cli.files import write_file_atomically
+from polspec.files import write_file_atomically
 from polspec.store.schema import Status
 
 

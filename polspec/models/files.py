@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 
 from polspec.errors import PolspecError
+from polspec.files import write_file_atomically
 from polspec.models.fetch import ProgressFn, blob_sha256, cached_blob, fetch_wheel_source, no_progress
 from polspec.models.registry import ModelEntry
 from polspec.models.sources import DirSource, GgufSource, HfSource, WheelSource, parse_source
@@ -38,7 +39,8 @@ def file_sha256(path: Path) -> str:
                 digest.update(chunk)
         index[key] = digest.hexdigest()
         index_file.parent.mkdir(parents=True, exist_ok=True)
-        index_file.write_text(json.dumps(index, indent=1))
+        # Whole or not at all: a worker starting beside this one reads it meanwhile.
+        write_file_atomically(index_file, lambda out: json.dump(index, out, indent=1))
     return index[key]
 
 
@@ -47,7 +49,12 @@ def imported_dir(sha256: str) -> Path:
 
 
 def is_imported(sha256: str) -> bool:
-    info = imported_dir(sha256) / "polspec-import.json"
+    return import_complete(imported_dir(sha256))
+
+
+def import_complete(directory: Path) -> bool:
+    """Whether ``directory`` holds a whole import in this polspec's layout."""
+    info = directory / "polspec-import.json"
     return info.exists() and json.loads(info.read_text()).get("format") == IMPORT_FORMAT
 
 

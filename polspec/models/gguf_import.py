@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
 import re
 import shutil
 import tempfile
@@ -32,8 +31,8 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from polspec.errors import PolspecError
-from polspec.models.fetch import ProgressFn, no_progress
-from polspec.models.files import IMPORT_FORMAT
+from polspec.models.fetch import ProgressFn, move_into_cache, no_progress
+from polspec.models.files import IMPORT_FORMAT, import_complete
 
 SHARD_BYTES = 2 << 30
 
@@ -283,10 +282,7 @@ def import_gguf(path: Path, dest: Path, sha256: str, progress: ProgressFn = no_p
             "has_chat_template": bool(meta.get("tokenizer.chat_template")),
         }
         (work / "polspec-import.json").write_text(json.dumps(info, indent=2))
-        work.chmod(0o755)  # mkdtemp makes it private; the cache is not
-        if dest.exists():
-            shutil.rmtree(dest)
-        os.replace(work, dest)
+        move_into_cache(work, dest, lambda: import_complete(dest))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return dest

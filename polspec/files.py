@@ -1,4 +1,4 @@
-"""Writing a command's output file: whole or not at all, and one clear line when it cannot be."""
+"""Writing a file whole or not at all: command output, and the caches several processes share."""
 
 from __future__ import annotations
 
