@@ -13,6 +13,7 @@ from importlib import resources
 from pathlib import Path
 
 from polspec.errors import PolspecError
+from polspec.files import write_file_atomically
 from polspec.models.sources import parse_source
 from polspec.settings import user_registry_file
 
@@ -156,7 +157,8 @@ def add_user_model(entry: ModelEntry, user_file: Path | None = None) -> None:
     ]
     if entry.sha256:
         lines.append(f"sha256 = {_toml_string(entry.sha256)}")
-    user_file.write_text(existing + "\n".join(lines) + "\n", encoding="utf-8")
+    text = existing + "\n".join(lines) + "\n"
+    write_file_atomically(user_file, lambda out: out.write(text))  # a crash cannot cut the user's file short
 
 
 def _toml_string(value: str) -> str:
