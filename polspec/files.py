@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-import tempfile
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
@@ -14,33 +14,31 @@ from polspec.errors import PolspecError
 def write_file_atomically(path: Path, write: Callable[[TextIO], None]) -> None:
     """Call ``write`` on a temporary UTF-8 text file beside ``path``, then move it into place, so
     a reader never sees half a file and a failure leaves nothing behind. The file gets the mode
-    a plain write would give it (the existing file's, else what the umask allows), not the
-    temporary file's private 0600. Raises :class:`PolspecError` naming ``path`` when it cannot
-    be written. A symbolic link is written through, as a shell's ``>`` would, not replaced."""
+    a plain write would give it (the existing file's, else what the umask allows). Raises
+    :class:`PolspecError` naming ``path`` when it cannot be written. A symbolic link is written
+    through, as a shell's ``>`` would, not replaced."""
     destination = path.resolve()
     directory = destination.parent
     if not directory.is_dir():
         problem = "is not a directory" if directory.exists() else "does not exist"
         raise PolspecError(f"{path}: {directory} {problem}")
+    # A unique name (two processes may write one cache file at once), created the way a plain
+    # open() creates a file, so that the kernel applies the umask: reading the umask means
+    # setting it, which would race with the worker's other threads.
+    temporary = directory / f".{destination.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
     try:
-        mode = path.stat().st_mode & 0o7777 if path.exists() else 0o666 & ~_umask()
-        handle = tempfile.NamedTemporaryFile("w", encoding="utf-8", newline="", dir=directory,
-                                             prefix=f".{destination.name}.", delete=False)
+        mode = path.stat().st_mode & 0o7777 if path.exists() else None
+        descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     except OSError as error:
         raise PolspecError(f"{path}: cannot write there: {error.strerror}") from None
     try:
-        with handle:
+        with open(descriptor, "w", encoding="utf-8", newline="") as handle:
             write(handle)
-        os.chmod(handle.name, mode)
-        os.replace(handle.name, destination)
+        if mode is not None:
+            os.chmod(temporary, mode)
+        os.replace(temporary, destination)
     except BaseException as error:
-        os.unlink(handle.name)
+        os.unlink(temporary)
         if isinstance(error, OSError):
             raise PolspecError(f"{path}: cannot write there: {error.strerror}") from None
         raise
-
-
-def _umask() -> int:
-    current = os.umask(0)
-    os.umask(current)
-    return current

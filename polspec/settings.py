@@ -11,6 +11,7 @@ A value that is set but wrong is a one-line :class:`PolspecError` naming the var
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -91,7 +92,7 @@ def model_cache_bytes() -> int:
             value = float(raw)
         except ValueError:
             value = -1.0
-        if value <= 0:
+        if not 0 < value < math.inf:  # nan fails this too
             raise PolspecError(f"POLSPEC_MODEL_CACHE_GB must be a positive number of gigabytes, got {raw!r}")
         return int(value * 1e9)
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * DEFAULT_MODEL_CACHE_FRACTION)

@@ -8,11 +8,13 @@ import re
 import sqlite3
 from pathlib import Path
 
+import click
 import pytest
 from click.testing import CliRunner
 
 from polspec.cli import main
 from polspec.cli.options import note_if_the_draft_is_the_target
+from polspec.cli.worker import BatchSize
 from polspec.models.fetch import fetch_wheel_source
 from polspec.models.registry import load_registry
 from polspec.models.sources import parse_source
@@ -103,13 +105,34 @@ def test_doctor_reports_a_malformed_redis_url(sqlite_url):
     assert not report["reachable"] and report["error"].startswith("not a Redis URL (")
 
 
+BEYOND_ANY_ID = "9223372036854775808"  # one past the largest 64-bit integer key
+
+
 @pytest.mark.parametrize("args, message", [
-    (["status", "--watch", "--interval", "0"], "0.0 is not in the range x>=0.1"),
+    (["status", "--watch", "--interval", "0"], "0.0 is not in the range 0.1<=x<=86400"),
+    (["status", "--watch", "--interval", "nan"], "nan is not a number of seconds"),
     (["results", "list", "--limit", "-1"], "-1 is not in the range x>=0"),
+    (["status", BEYOND_ANY_ID], f"{BEYOND_ANY_ID} is not in the range 1<=x<="),
+    (["status", "0"], "0 is not in the range 1<=x<="),
+    (["cancel", BEYOND_ANY_ID], "is not in the range 1<=x<="),
+    (["retry", BEYOND_ANY_ID, "--failed"], "is not in the range 1<=x<="),
+    (["recover", "--batch", BEYOND_ANY_ID], "is not in the range 1<=x<="),
+    (["results", "list", "--batch", BEYOND_ANY_ID], "is not in the range 1<=x<="),
+    (["results", "show", BEYOND_ANY_ID, "a"], "is not in the range 1<=x<="),
+    (["results", "export", BEYOND_ANY_ID], "is not in the range 1<=x<="),
+    (["report", BEYOND_ANY_ID], "is not in the range 1<=x<="),
 ])
 def test_out_of_range_options_are_usage_errors(sqlite_url, args, message):
     code, output = invoke(*args, env={"POLSPEC_DB_URL": sqlite_url})
     assert code == 2 and message in output
+
+
+def test_a_worker_batch_size_is_a_number_or_auto_in_any_case():
+    size = BatchSize()  # its help shows N|AUTO, as click writes a type's name
+    assert [size.convert(value, None, None) for value in ("auto", "AUTO", "3")] == [None, None, 3]
+    for bad in ("0", "-1", "abc", "1.5"):
+        with pytest.raises(click.BadParameter, match="is neither a whole number of at least 1 nor 'auto'"):
+            size.convert(bad, None, None)
 
 
 @pytest.mark.slow
@@ -122,6 +145,10 @@ def test_doctor_human_report_marks_problems(closed_port, sqlite_url):
     code, output = invoke("doctor", env={"POLSPEC_REDIS_URL": f"redis://127.0.0.1:{closed_port}/0",
                                          "POLSPEC_DB_URL": "nosuch://x"})
     assert code == 1 and re.search(r"^!! database +nosuch://x: ", output, re.M)
+    code, output = invoke("doctor", env={"POLSPEC_REDIS_URL": f"redis://127.0.0.1:{closed_port}/0",
+                                         "POLSPEC_DB_URL": "notaurl"})
+    assert code == 1 and re.search(r"^!! database +POLSPEC_DB_URL: not a database URL", output, re.M)
+    assert re.search(r"^!! redis ", output, re.M)  # the rest of the report still comes
 
 
 @pytest.mark.slow

@@ -207,6 +207,20 @@ def test_status_watch_into_a_pipe_prints_each_change_as_it_comes(env):
     assert watch.returncode == 0 and "cancelled" in rest and rest.count("polspec batches") == 1
 
 
+def test_status_watch_json_gives_every_batch_again_on_each_change(env):
+    cli(env, "enqueue", "generate", "--dataset", "pl-short", "--limit", "2", "--target", "smollm2-135m")
+    watch = subprocess.Popen([sys.executable, "-c", "from polspec.cli import main; main()", "status", "--watch",
+                              "--json", "--interval", "0.2"], env=os.environ | env, stdout=subprocess.PIPE, text=True)
+    deadline = threading.Timer(60, watch.kill)
+    deadline.start()
+    first = json.loads(watch.stdout.readline())  # out while the watch goes on
+    assert (first["batch"], first["status"]) == (1, "queued") and watch.poll() is None
+    assert cli(env, "cancel", "1")[0] == 0
+    rest, _ = watch.communicate(timeout=30)
+    deadline.cancel()
+    assert watch.returncode == 0 and [json.loads(line)["status"] for line in rest.splitlines()] == ["cancelled"]
+
+
 def test_recover_leaves_an_item_claimed_after_it_read_it(env):
     cli(env, "enqueue", "generate", "--dataset", "pl-short", "--limit", "1", "--target", "smollm2-135m")
     engine = make_engine(env["POLSPEC_DB_URL"])
@@ -314,6 +328,16 @@ def test_worker_on_a_misspelled_queue_is_a_one_line_error(env):
     assert output == ("polspec: error: unknown model alias 'gema3-270m'; did you mean gemma3-270m? "
                       "(polspec models list shows them all)\n")
     assert work(env, queues=("polspec-gemma3-270m",)) is False  # a queue name is taken as it is: nothing queued
+
+
+def test_a_misspelled_queue_fails_before_the_worker_recovers_anything(env):
+    cli(env, "enqueue", "generate", "--dataset", "pl-short", "--limit", "1", "--target", "smollm2-135m")
+    queue = Queue(queue_name("smollm2-135m"), connection=redis.Redis.from_url(env["POLSPEC_REDIS_URL"]),
+                  serializer=JSONSerializer)
+    queue.empty()  # Redis lost the item's job: a worker's recover would queue it again
+    code, output = cli(env, "worker", "--burst", "--queue", "smol")
+    assert code == 1 and output.startswith("polspec: error: unknown model alias 'smol'")
+    assert queue.count == 0  # the failed start wrote nothing
 
 
 def test_a_worker_stops_listening_for_commands_at_once(env):

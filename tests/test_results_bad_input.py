@@ -227,6 +227,7 @@ def test_reading_a_database_of_other_tables_adds_nothing_to_it(sqlite_env, tmp_p
         code, output = cli(env, *args)
         assert code == 1 and output.count("\n") == 1, args
         assert f"database sqlite:///{shop} holds tables that are not polspec's (customers) and none of polspec's" in output
+    assert cli(env, "db", "current")[0] == 0  # asking for the revision is no write either
     with sqlite3.connect(shop) as connection:
         assert connection.execute("SELECT name FROM sqlite_master").fetchall() == [("customers",)]
         assert connection.execute("PRAGMA journal_mode").fetchone() == ("delete",)  # not switched to WAL

@@ -22,6 +22,7 @@ from sqlalchemy import Engine, func, inspect, select, text
 from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.orm import Session
 
+from polspec.cli import main
 from polspec.cli.db import db
 from polspec.cli.results import _window_line
 from polspec.errors import DatabaseFailure, PolspecError
@@ -333,6 +334,14 @@ def test_unreachable_server_error_names_the_url_without_password() -> None:
     message = str(error.value)
     assert "postgresql+psycopg://polspec:***@127.0.0.1:1/polspec" in message
     assert "hunter2" not in message and "\n" not in message
+
+
+@pytest.mark.parametrize("url", ["sqlite://", "sqlite:///:memory:"])
+def test_an_in_memory_database_is_refused_in_one_line(url: str) -> None:
+    for command in (["upgrade"], ["current"]):  # it used to upgrade a database the next command lost
+        result = CliRunner().invoke(main, ["db", *command], env={"POLSPEC_DB_URL": url})
+        assert result.exit_code == 1 and result.output.count("\n") == 1, result.output
+        assert "an in-memory SQLite database lasts one connection; give a file" in result.output
 
 
 # --- schema contract ----------------------------------------------------------------------

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 
 import click
 
+from polspec.cli.options import ROW_ID
+
 if TYPE_CHECKING:
     from redis import Redis
     from sqlalchemy import Engine
@@ -27,7 +29,7 @@ def _connections() -> Iterator[tuple[Engine, Redis]]:
 
 
 @click.command()
-@click.option("--batch", "batch_id", type=int, help="Only this batch.")
+@click.option("--batch", "batch_id", type=ROW_ID, help="Only this batch.")
 def recover(batch_id: int | None) -> None:
     """Re-enqueue unfinished items that no queued job will finish (after Redis lost its data,
     or a worker died). Safe to run at any time: items never run twice. Workers run it at start.
@@ -52,7 +54,7 @@ def recover(batch_id: int | None) -> None:
 
 
 @click.command()
-@click.argument("batch_id", type=int)
+@click.argument("batch_id", type=ROW_ID)
 def cancel(batch_id: int) -> None:
     """Cancel a batch: queued items are dropped, running ones stop after their current round.
 
@@ -73,7 +75,7 @@ def cancel(batch_id: int) -> None:
 
 
 @click.command()
-@click.argument("batch_id", type=int)
+@click.argument("batch_id", type=ROW_ID)
 @click.option("--failed", is_flag=True, help="Queue the batch's failed items again.")
 @click.option("--cancelled", is_flag=True, help="Queue the batch's cancelled items again: resume a cancelled batch.")
 def retry(batch_id: int, failed: bool, cancelled: bool) -> None:

@@ -47,7 +47,10 @@ def _redis_report(url: str) -> dict:
 def _database_report(url: str) -> dict:
     from polspec.store.migrate import current_revision, head_revision, is_newer_than_polspec, newer_schema
 
-    report = {"url": display_url(url), "head": head_revision()}
+    try:
+        report = {"url": display_url(url), "head": head_revision()}
+    except PolspecError as error:  # only POLSPEC_DB_URL can fail to parse; the report goes on to Redis
+        return {"url": "POLSPEC_DB_URL", "head": head_revision(), "error": str(error)}
     try:
         report["revision"] = current_revision(url)
     except DatabaseProblem as error:  # the report names the URL already

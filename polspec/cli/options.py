@@ -10,6 +10,9 @@ from polspec.decoding.params import DRAFT_VOCAB, K_POLICIES, MAX_K, PARTIAL_WORD
 from polspec.errors import PolspecError
 
 DEFAULT_TARGET = "gemma3-270m"
+# A batch's or sweep's id: a key of the database's 64-bit integer column, so a larger number is
+# refused here, in words, before the driver overflows on it.
+ROW_ID = click.IntRange(min=1, max=2**63 - 1)
 
 
 class NumberOrName(click.ParamType):

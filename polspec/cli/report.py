@@ -8,15 +8,16 @@ from typing import TYPE_CHECKING
 
 import click
 
-from polspec.files import write_file_atomically
+from polspec.cli.options import ROW_ID
 from polspec.errors import PolspecError
+from polspec.files import write_file_atomically
 
 if TYPE_CHECKING:
     from polspec.report.summary import SweepReport
 
 
 @click.command()
-@click.argument("sweep_id", type=int)
+@click.argument("sweep_id", type=ROW_ID)
 @click.option("--format", "fmt", type=click.Choice(["md", "csv", "json"], case_sensitive=False), default="md",
               show_default=True,
               help="Markdown tables, or one row per cell as CSV or JSON.")

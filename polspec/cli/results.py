@@ -11,6 +11,7 @@ import click
 from rich.table import Table
 
 from polspec.cli.console import output_console
+from polspec.cli.options import ROW_ID
 from polspec.files import write_file_atomically
 from polspec.store.schema import Status
 
@@ -34,7 +35,7 @@ def results() -> None:
 
 
 @results.command("list")
-@click.option("--batch", "batch_id", type=int, help="Only this batch.")
+@click.option("--batch", "batch_id", type=ROW_ID, help="Only this batch.")
 @click.option("--status", type=click.Choice([status.value for status in Status], case_sensitive=False),
               help="Only items in this state.")
 @click.option("--limit", default=20, show_default=True, type=click.IntRange(min=0),
@@ -77,7 +78,7 @@ def list_command(batch_id: int | None, status: str | None, limit: int, as_json: 
 
 
 @results.command("show")
-@click.argument("batch_id", type=int)
+@click.argument("batch_id", type=ROW_ID)
 @click.argument("item_id")
 @click.option("--json", "as_json", is_flag=True, help="Everything stored, as one JSON object.")
 def show_command(batch_id: int, item_id: str, as_json: bool) -> None:
@@ -132,7 +133,7 @@ def _window_line(window: dict) -> str:
 
 
 @results.command("export")
-@click.argument("batch_id", type=int)
+@click.argument("batch_id", type=ROW_ID)
 @click.option("--format", "fmt", type=click.Choice(["csv", "jsonl"], case_sensitive=False), default="jsonl",
               show_default=True)
 @click.option("--output", type=click.Path(dir_okay=False, allow_dash=True),

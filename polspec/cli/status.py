@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
+import sys
 import time
 from collections.abc import Iterator
 
@@ -12,15 +14,24 @@ from rich.live import Live
 from rich.table import Table
 
 from polspec.cli.console import output_console
+from polspec.cli.options import ROW_ID
 from polspec.store.queries import BatchProgress
 
 
+def _not_nan(ctx: click.Context, param: click.Parameter, value: float) -> float:
+    if math.isnan(value):  # FloatRange lets nan through: no comparison with it is true
+        raise click.BadParameter("nan is not a number of seconds", param=param)
+    return value
+
+
 @click.command()
-@click.argument("batch_id", type=int, required=False)
+@click.argument("batch_id", type=ROW_ID, required=False)
 @click.option("--watch", is_flag=True, help="Keep refreshing until every shown batch has finished (Ctrl+C stops).")
-@click.option("--interval", default=2.0, show_default=True, type=click.FloatRange(min=0.1),
+@click.option("--interval", default=2.0, show_default=True, type=click.FloatRange(min=0.1, max=86400),
+              callback=_not_nan,
               help="Seconds between refreshes with --watch.")
-@click.option("--json", "as_json", is_flag=True, help="One JSON object per batch and line.")
+@click.option("--json", "as_json", is_flag=True,
+              help="One JSON object per batch and line (with --watch: all of them again on every change).")
 def status(batch_id: int | None, watch: bool, interval: float, as_json: bool) -> None:
     """Show every batch and sweep (newest first), or one: items done, failed, running, queued,
     speed, time left.
@@ -39,12 +50,14 @@ def status(batch_id: int | None, watch: bool, interval: float, as_json: bool) ->
     from polspec.store.queries import batch_progress
 
     with upgraded_database(create=False) as engine:
+        batches = batch_progress(engine, batch_id)
         if as_json:
-            for batch in batch_progress(engine, batch_id):
-                click.echo(json.dumps(batch.as_dict(), ensure_ascii=False))
+            for batches in _changes(engine, batch_id, batches, interval) if watch else [batches]:
+                for batch in batches:
+                    click.echo(json.dumps(batch.as_dict(), ensure_ascii=False))
+                sys.stdout.flush()
             return
         console = output_console()
-        batches = batch_progress(engine, batch_id)
         if not watch:
             console.print(_table(batches))
             return
@@ -54,13 +67,21 @@ def status(batch_id: int | None, watch: bool, interval: float, as_json: bool) ->
                     live.update(_table(batches), refresh=True)
             return
         # A pipe or a log (`| tee`, nohup): a table whenever something changed, out at once.
-        shown = None
-        for batches in itertools.chain([batches], _refreshes(engine, batch_id, batches, interval)):
-            seen = [(batch.id, batch.status, batch.counts) for batch in batches]
-            if seen != shown:
-                console.print(_table(batches))
-                console.file.flush()
-                shown = seen
+        for batches in _changes(engine, batch_id, batches, interval):
+            console.print(_table(batches))
+            console.file.flush()
+
+
+def _changes(engine, batch_id: int | None, batches: list[BatchProgress],
+             interval: float) -> Iterator[list[BatchProgress]]:
+    """``batches``, then the batches again whenever their statuses or counts changed, until
+    none of them is unfinished."""
+    shown = None
+    for batches in itertools.chain([batches], _refreshes(engine, batch_id, batches, interval)):
+        seen = [(batch.id, batch.status, batch.counts) for batch in batches]
+        if seen != shown:
+            yield batches
+            shown = seen
 
 
 def _refreshes(engine, batch_id: int | None, batches: list[BatchProgress],

@@ -13,7 +13,7 @@ class BatchSize(click.ParamType):
     name = "N|auto"
 
     def convert(self, value, param, ctx):
-        if value is None or value == "auto":
+        if value is None or str(value).lower() == "auto":
             return None
         try:
             size = int(value)

@@ -45,6 +45,11 @@ def make_engine(url: str | URL | None = None, *, readonly: bool = False) -> Engi
     shown = parsed.render_as_string(hide_password=True)
     sqlite = parsed.get_backend_name() == "sqlite"
     timeout_ms = db_busy_timeout_ms() if sqlite else 0
+    if sqlite and parsed.database in (None, "", ":memory:"):
+        # Each connection would get its own empty database: the schema an upgrade writes would
+        # be gone for the next command, which would ask for the upgrade again.
+        raise DatabaseProblem(shown, "an in-memory SQLite database lasts one connection; give a file, "
+                                     "e.g. sqlite:///results/polspec.db")
     path = sqlite_file(parsed)
     if path is not None and not readonly:
         try:

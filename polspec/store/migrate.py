@@ -54,7 +54,7 @@ def current_revision(url: str | None = None) -> str | None:
     path = sqlite_file(parse_url(url))
     if path is not None and not path.exists():
         return None
-    engine = make_engine(url)
+    engine = make_engine(url, readonly=True)  # nor is a SQLite file switched to WAL
     try:
         with engine.connect() as connection:
             return MigrationContext.configure(connection).get_current_revision()

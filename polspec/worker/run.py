@@ -46,7 +46,8 @@ def queue_names(connection, wanted: Sequence[str]) -> list[str]:
     a worker on a misspelled queue would wait for ever (or stop at once with ``--burst``)."""
     registry = load_registry()
     if wanted:
-        return [queue_name(registry.model(name.removeprefix(QUEUE_PREFIX)).alias) for name in wanted]
+        names = [queue_name(registry.model(name.removeprefix(QUEUE_PREFIX)).alias) for name in wanted]
+        return list(dict.fromkeys(names))  # an alias and its queue's name are one queue
     known = {queue_name(alias) for alias in registry.models}
     known |= {queue.name for queue in Queue.all(connection=connection) if queue.name.startswith(QUEUE_PREFIX)}
     return sorted(known)
@@ -69,8 +70,8 @@ def run_worker(options: WorkerOptions, *, on_start: Callable[[Requeued, list[str
     context.install(context.WorkerContext(engine, database_id(engine), ModelCache(), me, meter, meter_reason,
                                           options.lease_s))
     try:
+        names = queue_names(connection, options.queues)  # a mistyped queue fails before recover writes
         requeued = recover(engine, connection, me=me, lease_s=options.lease_s)
-        names = queue_names(connection, options.queues)
         if on_start is not None:
             on_start(requeued, names)
         worked = False
