@@ -357,6 +357,10 @@ def test_a_worker_stops_listening_for_commands_at_once(env):
 
 
 def test_worker_refuses_an_out_of_date_schema(env):
+    with pytest.raises(PolspecError, match="no such file"):  # run db upgrade there? it may be a typo
+        work(env)
+    Path(env["POLSPEC_DB_URL"].removeprefix("sqlite:///")).parent.mkdir(parents=True)
+    Path(env["POLSPEC_DB_URL"].removeprefix("sqlite:///")).touch()  # an empty database
     with pytest.raises(PolspecError, match="run polspec db upgrade"):
         work(env)
     code, output = cli(env, "worker", "--burst")

@@ -218,6 +218,14 @@ def test_a_file_that_is_no_database_is_one_line_for_every_reading_command(sqlite
     assert notes.read_text() == "garbage\n"
 
 
+def test_a_directory_named_as_the_database_is_one_line_for_every_command(sqlite_env, tmp_path):
+    env = dict(sqlite_env, POLSPEC_DB_URL=f"sqlite:///{tmp_path}")
+    for args in (["status"], ["results", "list"], ["db", "current"], ["db", "upgrade"], ["worker", "--burst"]):
+        code, output = cli(env, *args)
+        assert code == 1 and output == f"polspec: error: database sqlite:///{tmp_path}: a directory, not a database " \
+                                       "file\n", args
+
+
 def test_reading_a_database_of_other_tables_adds_nothing_to_it(sqlite_env, tmp_path):
     shop = tmp_path / "shop.db"
     with sqlite3.connect(shop) as connection:

@@ -18,7 +18,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from click.testing import CliRunner
-from sqlalchemy import Engine, func, inspect, select, text
+from sqlalchemy import Engine, func, inspect, make_url, select, text
 from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.orm import Session
 
@@ -26,7 +26,7 @@ from polspec.cli import main
 from polspec.cli.db import db
 from polspec.cli.results import _window_line
 from polspec.errors import DatabaseFailure, PolspecError
-from polspec.store.engine import display_url, make_engine, session_scope
+from polspec.store.engine import display_url, make_engine, session_scope, sqlite_file
 from polspec.store.energy_windows import close_energy_window, open_energy_window
 from polspec.store.items import Worker, database_id
 from polspec.store.migrate import (
@@ -230,6 +230,14 @@ def test_concurrent_ensure_schema_migrates_once(db_url: str) -> None:
 
 def test_require_current_schema_refuses_an_out_of_date_database(db_url: str) -> None:
     shown = display_url(db_url)
+    path = sqlite_file(make_url(db_url))
+    if path is not None:  # a file that is not there is no database to upgrade but maybe a typo
+        with pytest.raises(PolspecError, match=r"no such file, nothing has been stored there \(is POLSPEC_DB_URL "
+                                               r"right\? enqueueing or polspec db upgrade creates it\)$"):
+            require_current_schema(db_url)
+        assert not path.exists()
+        path.parent.mkdir(parents=True)
+        path.touch()  # an empty SQLite database
     with pytest.raises(PolspecError, match="run polspec db upgrade") as error:
         require_current_schema(db_url)
     assert shown in str(error.value) and "\n" not in str(error.value)

@@ -51,6 +51,8 @@ def make_engine(url: str | URL | None = None, *, readonly: bool = False) -> Engi
         raise DatabaseProblem(shown, "an in-memory SQLite database lasts one connection; give a file, "
                                      "e.g. sqlite:///results/polspec.db")
     path = sqlite_file(parsed)
+    if path is not None and path.is_dir():  # SQLite would only say "disk I/O error"
+        raise DatabaseProblem(shown, "a directory, not a database file")
     if path is not None and not readonly:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -96,8 +96,7 @@ def upgraded_database(url: str | None = None, *, readonly: bool = False, create:
     """
     path = sqlite_file(parse_url(url))
     if not create and path is not None and not path.exists() and (url is not None or database_url_set()):
-        raise PolspecError(f"database {display_url(url)}: no such file, nothing has been stored there "
-                           "(is POLSPEC_DB_URL right?)")
+        raise _no_such_file(url)
     if create:
         ensure_schema(url)
     elif _existing_revision(url) != head_revision():
@@ -133,6 +132,9 @@ def _existing_revision(url: str | None) -> str | None:
 
 def require_current_schema(url: str | None = None) -> None:
     """Raise :class:`PolspecError` unless the database is at the head revision."""
+    path = sqlite_file(parse_url(url))
+    if path is not None and not path.exists():  # "run db upgrade" would create a mistyped file
+        raise _no_such_file(url)
     current, head = current_revision(url), head_revision()
     if current == head:
         return
@@ -142,6 +144,11 @@ def require_current_schema(url: str | None = None) -> None:
         f"database {display_url(url)} is at revision {current or 'none (empty)'}, "
         f"polspec needs {head}: run polspec db upgrade"
     )
+
+
+def _no_such_file(url: str | None) -> PolspecError:
+    return PolspecError(f"database {display_url(url)}: no such file, nothing has been stored there "
+                        "(is POLSPEC_DB_URL right? enqueueing or polspec db upgrade creates it)")
 
 
 @contextmanager
