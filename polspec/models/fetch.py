@@ -61,7 +61,9 @@ def cache_lock(entry: Path, doing: str, progress: ProgressFn = no_progress) -> I
     once, and none replaces a whole copy that another may be reading. The kernel frees the lock
     when its holder dies; the file stays, for unlinking it would let two holders in."""
     locks_dir().mkdir(parents=True, exist_ok=True)
-    with open(locks_dir() / f"{entry.parent.name}-{entry.name}.lock", "w") as handle:
+    # Read-only: a lock needs no write access, so a lock file another user made serves too.
+    lock_file = locks_dir() / f"{entry.parent.name}-{entry.name}.lock"
+    with open(os.open(lock_file, os.O_RDONLY | os.O_CREAT, 0o644)) as handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
