@@ -136,7 +136,7 @@ def test_a_worker_batch_size_is_a_number_or_auto_in_any_case():
 
 
 @pytest.mark.slow
-def test_doctor_human_report_marks_problems(closed_port, sqlite_url):
+def test_doctor_human_report_marks_problems(closed_port, sqlite_url, redis_url):
     code, output = invoke("doctor", env={"POLSPEC_REDIS_URL": f"redis://127.0.0.1:{closed_port}/0",
                                          "POLSPEC_DB_URL": sqlite_url})
     assert code == 1
@@ -145,10 +145,11 @@ def test_doctor_human_report_marks_problems(closed_port, sqlite_url):
     code, output = invoke("doctor", env={"POLSPEC_REDIS_URL": f"redis://127.0.0.1:{closed_port}/0",
                                          "POLSPEC_DB_URL": "nosuch://x"})
     assert code == 1 and re.search(r"^!! database +nosuch://x: ", output, re.M)
-    code, output = invoke("doctor", env={"POLSPEC_REDIS_URL": f"redis://127.0.0.1:{closed_port}/0",
+    code, output = invoke("doctor", env={"POLSPEC_REDIS_URL": redis_url.rsplit("/", 1)[0] + "/99",
                                          "POLSPEC_DB_URL": "notaurl"})
     assert code == 1 and re.search(r"^!! database +POLSPEC_DB_URL: not a database URL", output, re.M)
-    assert re.search(r"^!! redis ", output, re.M)  # the rest of the report still comes
+    # The rest of the report still comes; a server that answers is no unreachable one.
+    assert re.search(r"^!! redis +redis://127\.0\.0\.1:\d+/99: refused \(.*DB index is out of range", output, re.M)
 
 
 @pytest.mark.slow

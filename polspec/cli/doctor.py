@@ -30,8 +30,11 @@ def _redis_report(url: str) -> dict:
     except ValueError as error:  # from_url: not a Redis URL
         report["error"] = f"not a Redis URL ({error})"
         return report
-    except redis.RedisError as error:
+    except (redis.ConnectionError, redis.TimeoutError) as error:
         report["error"] = str(error)
+        return report
+    except redis.RedisError as error:  # the server answered, with a refusal
+        report.update(error=str(error), answered=True)
         return report
     report.update(
         reachable=True,
@@ -115,7 +118,8 @@ def _print_human(report: dict, failed: list[str]) -> None:
          f"{redis_report['url']}: " + (
              f"reachable, AOF {'on' if redis_report['aof'] else 'off'}"
              + (f": {redis_report['warning']}" if "warning" in redis_report else "")
-             if redis_report["reachable"] else f"unreachable ({redis_report.get('error')})")),
+             if redis_report["reachable"]
+             else f"{'refused' if redis_report.get('answered') else 'unreachable'} ({redis_report.get('error')})")),
         ("database", db.get("up_to_date", False),
          f"{db['url']}: " + (db["error"] if "error" in db else
                              f"revision {db['revision'] or 'none (run polspec db upgrade)'}, head {db['head']}")),
