@@ -147,8 +147,9 @@ def require_current_schema(url: str | None = None) -> None:
 
 
 def _no_such_file(url: str | None) -> PolspecError:
+    check = "is POLSPEC_DB_URL right? " if database_url_set() else ""
     return PolspecError(f"database {display_url(url)}: no such file, nothing has been stored there "
-                        "(is POLSPEC_DB_URL right? enqueueing or polspec db upgrade creates it)")
+                        f"({check}enqueueing or polspec db upgrade creates it)")
 
 
 @contextmanager
