@@ -1,10 +1,13 @@
-"""Writing a file whole or not at all: command output, and the caches several processes share."""
+"""Files several processes share: written whole or not at all, and locked while one of them builds
+what the others need."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TextIO
 
@@ -34,6 +37,8 @@ def write_file_atomically(path: Path, write: Callable[[TextIO], None]) -> None:
     try:
         with open(descriptor, "w", encoding="utf-8", newline="") as handle:
             write(handle)
+            handle.flush()
+            os.fsync(handle.fileno())  # on disk before it replaces the old file: a power cut keeps one whole
         if mode is not None:
             os.chmod(temporary, mode)
         os.replace(temporary, destination)
@@ -42,3 +47,27 @@ def write_file_atomically(path: Path, write: Callable[[TextIO], None]) -> None:
         if isinstance(error, OSError):
             raise PolspecError(f"{path}: cannot write there: {error.strerror}") from None
         raise
+
+
+@contextmanager
+def file_lock(path: Path, what: str, on_wait: Callable[[], None] | None = None) -> Iterator[None]:
+    """Hold an exclusive lock on the file ``path`` for the block: one process at a time gets
+    past it, and the kernel frees it when its holder dies. ``on_wait`` is called once where
+    another process holds it. The file is created where missing and stays: unlinking it would
+    let two holders in. Raises :class:`PolspecError` naming the ``what`` when it cannot be made."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(path, "a")  # writable: NFS emulates flock with fcntl locks, which need that
+    except OSError as error:
+        raise PolspecError(f"cannot create the {what} {path}: {error.strerror}") from None
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if on_wait is not None:
+                on_wait()
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

@@ -92,7 +92,7 @@ def model_cache_bytes() -> int:
             value = float(raw)
         except ValueError:
             value = -1.0
-        if not 0 < value < math.inf:  # nan fails this too
+        if not 1 <= value * 1e9 < math.inf:  # nan fails this too
             raise PolspecError(f"POLSPEC_MODEL_CACHE_GB must be a positive number of gigabytes, got {raw!r}")
         return int(value * 1e9)
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * DEFAULT_MODEL_CACHE_FRACTION)

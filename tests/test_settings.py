@@ -25,7 +25,7 @@ def test_the_model_cache_budget_is_gigabytes_or_a_share_of_memory(monkeypatch: p
     assert model_cache_bytes() == 2_500_000_000
     monkeypatch.delenv("POLSPEC_MODEL_CACHE_GB")
     assert model_cache_bytes() > 0
-    for bad in ("lots", "0", "nan", "inf", "1e400"):
+    for bad in ("lots", "0", "nan", "inf", "1e400", "1e300", "1e-12"):
         monkeypatch.setenv("POLSPEC_MODEL_CACHE_GB", bad)
         with pytest.raises(PolspecError, match=f"^POLSPEC_MODEL_CACHE_GB must be a positive number of gigabytes, "
                                                f"got '{bad}'$"):

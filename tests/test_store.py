@@ -352,6 +352,12 @@ def test_an_in_memory_database_is_refused_in_one_line(url: str) -> None:
         assert "an in-memory SQLite database lasts one connection; give a file" in result.output
 
 
+def test_a_database_url_whose_port_is_no_number_is_one_line() -> None:
+    result = CliRunner().invoke(main, ["status"], env={"POLSPEC_DB_URL": "postgresql://u:pw@h:notaport/db"})
+    assert result.exit_code == 1 and result.output.count("\n") == 1, result.output
+    assert result.output.startswith("polspec: error: not a database URL (POLSPEC_DB_URL): ")
+
+
 # --- schema contract ----------------------------------------------------------------------
 
 

@@ -31,7 +31,7 @@ def _redis_report(url: str) -> dict:
         report["error"] = f"not a Redis URL ({error})"
         return report
     except (redis.ConnectionError, redis.TimeoutError) as error:
-        report["error"] = str(error)
+        report.update(error=str(error), answered=isinstance(error, redis.AuthenticationError))
         return report
     except redis.RedisError as error:  # the server answered, with a refusal
         report.update(error=str(error), answered=True)

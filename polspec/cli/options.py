@@ -10,9 +10,26 @@ from polspec.decoding.params import DRAFT_VOCAB, K_POLICIES, MAX_K, PARTIAL_WORD
 from polspec.errors import PolspecError
 
 DEFAULT_TARGET = "gemma3-270m"
-# A batch's or sweep's id: a key of the database's 64-bit integer column, so a larger number is
-# refused here, in words, before the driver overflows on it.
-ROW_ID = click.IntRange(min=1, max=2**63 - 1)
+
+
+class RowId(click.ParamType):
+    """A batch's or sweep's id: a key of the database's 64-bit integer column, so a larger
+    number is refused here, in words, before the driver overflows on it."""
+
+    name = "id"
+    LARGEST = 2**63 - 1
+
+    def convert(self, value, param, ctx):
+        try:
+            number = int(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not an id (a whole number)", param, ctx)
+        if not 1 <= number <= self.LARGEST:
+            self.fail(f"{number} is no id: ids are whole numbers from 1 to {self.LARGEST}", param, ctx)
+        return number
+
+
+ROW_ID = RowId()
 
 
 class NumberOrName(click.ParamType):

@@ -10,7 +10,6 @@ to the final location and is removed on any failure.
 from __future__ import annotations
 
 import errno
-import fcntl
 import hashlib
 import json
 import os
@@ -24,6 +23,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from polspec.errors import PolspecError
+from polspec.files import file_lock
 from polspec.models.sources import WheelSource
 from polspec.settings import blobs_dir, locks_dir
 
@@ -58,17 +58,9 @@ def blob_sha256(path: Path) -> str:
 def cache_lock(entry: Path, doing: str, progress: ProgressFn = no_progress) -> Iterator[None]:
     """Hold the lock of the cache entry ``entry`` (a blob or an import directory) while building
     it, so that processes sharing the cache (two workers starting on a fresh machine) build it
-    once, and none replaces a whole copy that another may be reading. The kernel frees the lock
-    when its holder dies; the file stays, for unlinking it would let two holders in."""
-    locks_dir().mkdir(parents=True, exist_ok=True)
-    # Read-only: a lock needs no write access, so a lock file another user made serves too.
+    once, and none replaces a whole copy that another may be reading."""
     lock_file = locks_dir() / f"{entry.parent.name}-{entry.name}.lock"
-    with open(os.open(lock_file, os.O_RDONLY | os.O_CREAT, 0o644)) as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            progress(f"waiting for another process {doing}", 0, None)
-            fcntl.flock(handle, fcntl.LOCK_EX)
+    with file_lock(lock_file, "model cache lock", lambda: progress(f"waiting for another process {doing}", 0, None)):
         yield
 
 

@@ -115,7 +115,7 @@ def parse_url(url: str | URL | None = None) -> URL:
     """``url`` (default ``POLSPEC_DB_URL``) parsed, or a :class:`PolspecError` saying why it is not one."""
     try:
         parsed = make_url(url if url is not None else database_url())
-    except ArgumentError as error:
+    except (ArgumentError, ValueError) as error:  # ValueError: a port that is no number
         where = "" if url is not None else " (POLSPEC_DB_URL)"
         raise PolspecError(f"not a database URL{where}: {error}") from error
     # A bare postgresql:// means psycopg2 to SQLAlchemy; polspec ships psycopg 3.

@@ -13,7 +13,6 @@ lock, so a process that waited finds the work done.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -26,6 +25,7 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import URL, Connection, Engine, inspect, text
 
 from polspec.errors import DatabaseProblem, PolspecError
+from polspec.files import file_lock
 from polspec.settings import database_url_set
 from polspec.store.engine import display_url, make_engine, parse_url, sqlite_file
 
@@ -185,21 +185,7 @@ def _file_lock(url: URL) -> AbstractContextManager[None]:
     # Next to the database file rather than under POLSPEC_HOME: two processes with different
     # homes that share a database must still take the same lock.
     path = sqlite_file(url)
-    return nullcontext() if path is None else _flock(path.with_name(path.name + ".migrate-lock"))
-
-
-@contextmanager
-def _flock(path: Path) -> Iterator[None]:
-    try:
-        handle = open(path, "a")
-    except OSError as error:
-        raise PolspecError(f"cannot create the migration lock {path}: {error.strerror}") from None
-    with handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    return nullcontext() if path is None else file_lock(path.with_name(path.name + ".migrate-lock"), "migration lock")
 
 
 def _sqlite_pragma_outside_transaction(connection: Connection, pragma: str) -> None:
