@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
