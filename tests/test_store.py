@@ -233,7 +233,8 @@ def test_require_current_schema_refuses_an_out_of_date_database(db_url: str) -> 
     path = sqlite_file(make_url(db_url))
     if path is not None:  # a file that is not there is no database to upgrade but maybe a typo
         with pytest.raises(PolspecError, match=r"no such file, nothing has been stored there "
-                                               r"\(enqueueing or polspec db upgrade creates it\)$"):
+                                               r"\((is POLSPEC_DB_URL right\? )?enqueueing or polspec db upgrade "
+                                               r"creates it\)$"):
             require_current_schema(db_url)
         assert not path.exists()
         path.parent.mkdir(parents=True)
