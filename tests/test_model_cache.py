@@ -55,3 +55,24 @@ def test_an_import_in_an_older_layout_is_redone(isolated_home, smollm2_gguf):
     assert json.loads((dest / "polspec-import.json").read_text())["format"] == IMPORT_FORMAT
     assert (dest / "config.json").exists()
     assert [path.name for path in models_dir().iterdir() if path.name != "sha256-index.json"] == [sha256]
+
+
+def test_a_worker_logs_each_step_of_a_first_fetch_once_and_then_how_far_it_is(caplog):
+    from polspec.worker.model_cache import logged_steps
+
+    steps = [("waiting for another process fetching m.gguf", 0, None)]
+    steps += [(f"downloading part{index}", index, 3) for index in range(3)] + [("assembled m.gguf", 3, 3)]
+    steps += [(f"importing tensor{index}", index, 100) for index in range(100)] + [("imported weights", 100, 100)]
+    with caplog.at_level("INFO", logger="polspec.worker"):
+        report = logged_steps("m")
+        for step in steps:
+            report(*step)
+        assert caplog.messages == ["m: waiting for another process fetching m.gguf", "m: downloading part0 (0 of 3)",
+                                   "m: assembled m.gguf (3 of 3)", "m: importing tensor0 (0 of 100)",
+                                   "m: imported weights (100 of 100)"]
+        caplog.clear()
+        every_call = logged_steps("m", every_s=0)
+        for step in steps[1:4]:
+            every_call(*step)
+        assert caplog.messages == ["m: downloading part0 (0 of 3)", "m: downloading part1 (1 of 3)",
+                                   "m: downloading part2 (2 of 3)"]

@@ -10,6 +10,8 @@ for another attempt; restart the worker after fixing the cause.
 from __future__ import annotations
 
 import gc
+import logging
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -19,18 +21,39 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from polspec.errors import PolspecError
+from polspec.models.fetch import ProgressFn
 from polspec.models.loader import LoadedModel, load_model
 from polspec.settings import model_cache_bytes
+
+log = logging.getLogger("polspec.worker")
+LOG_EVERY_S = 10.0
 
 
 def model_bytes(model: LoadedModel) -> int:
     return sum(array.nbytes for _, array in tree_flatten(model.model.parameters()))
 
 
+def logged_steps(alias: str, every_s: float = LOG_EVERY_S) -> ProgressFn:
+    """Progress that logs making ``alias``'s files local: each new kind of step (downloading,
+    waiting for another worker doing it, importing), and how far it is every ``every_s``
+    seconds. A first fetch of a large model takes minutes; a worker that says nothing meanwhile
+    looks hung."""
+    last_step, last_at = None, 0.0
+
+    def report(description: str, done: int, total: int | None) -> None:
+        nonlocal last_step, last_at
+        step = description.split(" ", 1)[0]
+        if step != last_step or time.monotonic() - last_at >= every_s:
+            log.info("%s: %s%s", alias, description, f" ({done} of {total})" if total else "")
+            last_step, last_at = step, time.monotonic()
+
+    return report
+
+
 class ModelCache:
     """``get(alias)`` returns a loaded model, loading it (and evicting others) when needed."""
 
-    def __init__(self, budget_bytes: int | None = None, loader: Callable[[str], LoadedModel] = load_model):
+    def __init__(self, budget_bytes: int | None = None, loader: Callable[..., LoadedModel] = load_model):
         self.budget = model_cache_bytes() if budget_bytes is None else budget_bytes
         self.loader = loader
         self.models: OrderedDict[str, tuple[LoadedModel, int]] = OrderedDict()
@@ -44,7 +67,7 @@ class ModelCache:
         if alias in self.failures:
             raise PolspecError(self.failures[alias])
         try:
-            model = self.loader(alias)
+            model = self.loader(alias, progress=logged_steps(alias))
         except PolspecError as error:
             self.failures[alias] = f"{alias} failed to load: {error}"
             raise PolspecError(self.failures[alias]) from None
