@@ -50,13 +50,21 @@ def head_revision() -> str:
 def current_revision(url: str | None = None) -> str | None:
     """The database's revision; None for an empty database, or a SQLite file that does not exist
     (which this leaves uncreated: asking is not writing)."""
+    return _revision_and_other_tables(url)[0]
+
+
+def _revision_and_other_tables(url: str | None) -> tuple[str | None, list[str]]:
+    """The database's revision and its tables other than Alembic's, read on a read-only
+    connection (nor is a SQLite file switched to WAL); none of either for a SQLite file that
+    does not exist."""
     path = sqlite_file(parse_url(url))
     if path is not None and not path.exists():
-        return None
-    engine = make_engine(url, readonly=True)  # nor is a SQLite file switched to WAL
+        return None, []
+    engine = make_engine(url, readonly=True)
     try:
         with engine.connect() as connection:
-            return MigrationContext.configure(connection).get_current_revision()
+            return (MigrationContext.configure(connection).get_current_revision(),
+                    sorted(set(inspect(connection).get_table_names()) - {"alembic_version"}))
     finally:
         engine.dispose()
 
@@ -108,20 +116,10 @@ def upgraded_database(url: str | None = None, *, readonly: bool = False, create:
 
 
 def _existing_revision(url: str | None) -> str | None:
-    """The revision of a database that must be polspec's (or empty), read on a read-only
-    connection (a SQLite file is not even switched to WAL); a database with tables but no
-    polspec revision is refused. An empty ``alembic_version`` is what a downgrade to base
+    """The revision of a database that must be polspec's (or empty); a database with tables but
+    no polspec revision is refused. An empty ``alembic_version`` is what a downgrade to base
     leaves: polspec's own, and empty."""
-    path = sqlite_file(parse_url(url))
-    if path is not None and not path.exists():
-        return None
-    engine = make_engine(url, readonly=True)
-    try:
-        with engine.connect() as connection:
-            revision = MigrationContext.configure(connection).get_current_revision()
-            tables = sorted(set(inspect(connection).get_table_names()) - {"alembic_version"})
-    finally:
-        engine.dispose()
+    revision, tables = _revision_and_other_tables(url)
     if revision is None and tables:
         named = ", ".join(tables[:3]) + (", ..." if len(tables) > 3 else "")
         raise PolspecError(f"database {display_url(url)} holds tables that are not polspec's ({named}) and none "
