@@ -223,7 +223,10 @@ def measure_memory_bandwidth(megabytes: int = 512, repeats: int = 3) -> float:
     """
     mx = _import_mlx()
     columns = 8192
-    weight = mx.random.normal((megabytes * 2**20 // 4 // columns, columns))
+    # Random rows repeated: drawing every value takes MLX's CPU backend seconds, ten times the
+    # measurement, and the product streams the whole matrix either way.
+    rows = megabytes * 2**20 // 4 // columns
+    weight = mx.tile(mx.random.normal((64, columns)), (rows // 64, 1))
     vector = mx.random.normal((1, columns))
     mx.eval(vector @ weight.T)
     best = float("inf")

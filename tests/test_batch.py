@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from polspec.decoding import DecodingParams, generate
+from polspec.decoding import DecodingParams, batch_kv, generate
 from polspec.decoding.acceptance import forget_estimates
 from polspec.decoding.batch import BatchDecoder, max_batch_size, stream_batch
 from polspec.decoding.costmodel import BatchCost, Probe
@@ -137,6 +137,22 @@ def test_sequences_join_and_leave_between_rounds(gemma3, smollm2, single):
     assert set(finished) == {0, 1, 2, 3, 4}
     for index in (0, 2, 3, 4):
         assert_same_or_float_tie(gemma3, PROMPTS[index], single(gemma3, index), tokens[index])
+
+
+def test_a_prompt_repeated_in_a_batch_is_fed_once_and_each_of_its_rows_decodes_as_if_alone(gemma3, smollm2, single):
+    """A sweep's repeats share their prompt's prefill (the target's when they join, the draft's
+    when they first propose): a repeated prompt's cache is the one made for its first row, and
+    the rows still decode what the prompt gives alone."""
+    order = (0, 2, 0, 0)
+    ids = [encode_prompt(gemma3, PROMPTS[i], chat=False) for i in order]
+    caches = list(batch_kv.prefill_each(gemma3.model, batch_kv.check_batchable(gemma3.model, "gemma3"), ids))
+    assert caches[0] is caches[2] is caches[3] and caches[1] is not caches[0]
+    requests = [(PROMPTS[i], DecodingParams(max_tokens=max_tokens(i), k=2)) for i in order]
+    tokens: dict[int, list[int]] = {key: [] for key in range(len(order))}
+    for event in stream_batch(gemma3, smollm2, requests, max_batch=len(order), chat=False):
+        tokens[event.key] += event.commit.tokens if event.commit else []
+    for key, index in enumerate(order):
+        assert_same_or_float_tie(gemma3, PROMPTS[index], single(gemma3, index), tokens[key])
 
 
 def test_a_row_feeds_the_draft_its_prompt_only_when_it_first_proposes(gemma3, smollm2, single):

@@ -263,11 +263,13 @@ class BatchDecoder:
         if not joining:
             return
         targets = []
-        for sequence in joining:
-            clock = time.perf_counter()
-            targets.append(batch_kv.prefill_one(self.target.model, self.target_layers, sequence.prompt[:-1]))
+        fed = batch_kv.prefill_each(self.target.model, self.target_layers, [s.prompt[:-1] for s in joining])
+        clock = time.perf_counter()
+        for sequence, cache in zip(joining, fed):  # a prompt fed before costs its copy nothing
+            targets.append(cache)
             sequence.pending = sequence.prompt[-1]
             sequence.metrics.prefill_s = time.perf_counter() - clock
+            clock = time.perf_counter()
         self.target_cache = batch_kv.join(self.target_cache, targets)
         if self.draft is not None:
             # The draft's prompt is fed on the row's first proposal (:meth:`_warm`), not here: a
@@ -277,14 +279,14 @@ class BatchDecoder:
         self.rows += joining
 
     def _warm(self, cold: list[int]) -> None:
-        """Feed the draft the text of rows about to propose for the first time, each alone (a
-        batched catch-up would pad every row to the longest prompt); they move to the end of
-        the batch, in both caches."""
-        singles = []
+        """Feed the draft the text of rows about to propose for the first time, each text alone
+        (a batched catch-up would pad every row to the longest prompt) and once however many
+        rows share it; they move to the end of the batch, in both caches."""
+        texts = [self.rows[row].draft_text.sequence[:-1] for row in cold]
+        singles = list(batch_kv.prefill_each(self.draft.model, self.draft_layers, texts))
         for row in cold:
             sequence = self.rows[row]
             text = sequence.draft_text
-            singles.append(batch_kv.prefill_one(self.draft.model, self.draft_layers, text.sequence[:-1]))
             text.fed = sequence.draft_cached = len(text.sequence) - 1
             sequence.draft_warm = True
         stay = [row for row in range(len(self.rows)) if row not in cold]

@@ -15,6 +15,8 @@ the keys a rotating cache would hold, and a plain cache can be trimmed at any le
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from polspec import backend  # noqa: F401  (before mlx: the Linux BLAS fix)
 
 import mlx.core as mx
@@ -44,6 +46,18 @@ def prefill_one(model: nn.Module, layers: int, ids: list[int]) -> list[KVCache]:
         model(mx.array([ids[start:start + PREFILL_STEP]]), cache=cache)
         mx.eval([c.state for c in cache if c.keys is not None])
     return cache
+
+
+def prefill_each(model: nn.Module, layers: int, prompts: list[list[int]]) -> Iterator[list[KVCache]]:
+    """:func:`prefill_one` for each prompt in turn, yielded as it is ready; a prompt given
+    before (a sweep's repeats, a sampled request's seeds) is not fed again but yielded again,
+    since :func:`join` copies a cache into each row it makes."""
+    fed: dict[tuple[int, ...], list[KVCache]] = {}
+    for ids in prompts:
+        key = tuple(ids)
+        if key not in fed:
+            fed[key] = prefill_one(model, layers, ids)
+        yield fed[key]
 
 
 def join(batch: list[BatchKVCache] | None, singles: list[list[KVCache]]) -> list[BatchKVCache]:
