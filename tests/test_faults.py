@@ -90,7 +90,9 @@ def test_redis_restarted_mid_batch_loses_nothing(redis_server, tmp_path):
 def test_two_batched_workers_on_one_queue_never_duplicate(any_db_env):
     env = any_db_env
     enqueue(env, limit=8, max_tokens=8)
-    workers = [start_worker(env, "--burst", "--batch", "4") for _ in range(2)]
+    # Each takes one of the two cores: OpenBLAS's threads of two processes, two each, would
+    # spin against each other and slow both about tenfold (README, "Several machines").
+    workers = [start_worker(env | {"OPENBLAS_NUM_THREADS": "1"}, "--burst", "--batch", "4") for _ in range(2)]
     for worker in workers:
         finish(worker)
     items = assert_each_item_done_once(env, 8)
@@ -224,7 +226,7 @@ def test_second_sigterm_stops_at_once_without_a_traceback_and_the_items_run_agai
     output = worker.communicate(timeout=60)[0]
     assert "stopping now" in output and "Traceback" not in output, output
     assert statuses(env) == left  # stopped mid-item (200 tokens each), left for the next worker
-    output = worker_in_process(env, "--burst", "--batch", str(batch))
+    output = worker_in_process(env, "--burst", "--batch", "4")  # the rerun need not take them one at a time
     assert f"re-enqueued {batch} unfinished items ({batch} worker gone)" in output
     attempts = sorted(item.attempts for item in assert_each_item_done_once(env, limit))
     assert attempts == [1] * (limit - batch) + [2] * batch
