@@ -226,7 +226,7 @@ def measure_memory_bandwidth(megabytes: int = 512, repeats: int = 3) -> float:
     # Random rows repeated: drawing every value takes MLX's CPU backend seconds, ten times the
     # measurement, and the product streams the whole matrix either way.
     rows = megabytes * 2**20 // 4 // columns
-    weight = mx.tile(mx.random.normal((64, columns)), (rows // 64, 1))
+    weight = mx.tile(mx.random.normal((64, columns)), (-(-rows // 64), 1))[:rows]
     vector = mx.random.normal((1, columns))
     mx.eval(vector @ weight.T)
     best = float("inf")

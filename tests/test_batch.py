@@ -139,19 +139,26 @@ def test_sequences_join_and_leave_between_rounds(gemma3, smollm2, single):
         assert_same_or_float_tie(gemma3, PROMPTS[index], single(gemma3, index), tokens[index])
 
 
-def test_a_prompt_repeated_in_a_batch_is_fed_once_and_each_of_its_rows_decodes_as_if_alone(gemma3, smollm2, single):
+def test_a_prompt_repeated_in_a_batch_is_fed_once_and_each_of_its_rows_decodes_as_if_alone(gemma3, smollm2, single,
+                                                                                            monkeypatch):
     """A sweep's repeats share their prompt's prefill (the target's when they join, the draft's
-    when they first propose): a repeated prompt's cache is the one made for its first row, and
-    the rows still decode what the prompt gives alone."""
-    order = (0, 2, 0, 0)
-    ids = [encode_prompt(gemma3, PROMPTS[i], chat=False) for i in order]
-    caches = list(batch_kv.prefill_each(gemma3.model, batch_kv.check_batchable(gemma3.model, "gemma3"), ids))
-    assert caches[0] is caches[2] is caches[3] and caches[1] is not caches[0]
-    requests = [(PROMPTS[i], DecodingParams(max_tokens=max_tokens(i), k=2)) for i in order]
-    tokens: dict[int, list[int]] = {key: [] for key in range(len(order))}
-    for event in stream_batch(gemma3, smollm2, requests, max_batch=len(order), chat=False):
+    when they first propose), and each row still decodes what the prompt gives alone: the
+    repeated rows draft at different k, so their caches part after the first round."""
+    fed: list[int] = []
+    prefill_one = batch_kv.prefill_one
+
+    def counted(model, layers, ids):
+        fed.extend([len(ids)] if ids else [])
+        return prefill_one(model, layers, ids)
+
+    monkeypatch.setattr(batch_kv, "prefill_one", counted)
+    rows = [(0, 1), (2, 2), (0, 2), (0, 3)]  # (prompt index, k)
+    requests = [(PROMPTS[i], DecodingParams(max_tokens=max_tokens(i), k=k)) for i, k in rows]
+    tokens: dict[int, list[int]] = {key: [] for key in range(len(rows))}
+    for event in stream_batch(gemma3, smollm2, requests, max_batch=len(rows), chat=False):
         tokens[event.key] += event.commit.tokens if event.commit else []
-    for key, index in enumerate(order):
+    assert len(fed) == 4, fed  # each of the two prompts once for the target, once for the draft
+    for key, (index, _) in enumerate(rows):
         assert_same_or_float_tie(gemma3, PROMPTS[index], single(gemma3, index), tokens[key])
 
 

@@ -91,7 +91,7 @@ def test_two_batched_workers_on_one_queue_never_duplicate(any_db_env):
     env = any_db_env
     enqueue(env, limit=8, max_tokens=8)
     # Each takes one of the two cores: OpenBLAS's threads of two processes, two each, would
-    # spin against each other and slow both about tenfold (README, "Several machines").
+    # spin against each other and slow both about eightfold (README, "Several machines").
     workers = [start_worker(env | {"OPENBLAS_NUM_THREADS": "1"}, "--burst", "--batch", "4") for _ in range(2)]
     for worker in workers:
         finish(worker)
