@@ -223,8 +223,8 @@ def measure_memory_bandwidth(megabytes: int = 512, repeats: int = 3) -> float:
     """
     mx = _import_mlx()
     columns = 8192
-    # Random rows repeated: drawing every value takes MLX's CPU backend seconds, ten times the
-    # measurement, and the product streams the whole matrix either way.
+    # Random rows repeated: drawing every value takes MLX's CPU backend seconds, most of what the
+    # estimate took, and the product streams the whole matrix either way.
     rows = megabytes * 2**20 // 4 // columns
     weight = mx.tile(mx.random.normal((64, columns)), (-(-rows // 64), 1))[:rows]
     vector = mx.random.normal((1, columns))
