@@ -148,7 +148,8 @@ def test_a_prompt_repeated_in_a_batch_is_fed_once_and_each_of_its_rows_decodes_a
     prefill_one = batch_kv.prefill_one
 
     def counted(model, layers, ids):
-        fed.extend([len(ids)] if ids else [])
+        if ids:  # an empty draft row, made when a row joins, feeds nothing
+            fed.append(len(ids))
         return prefill_one(model, layers, ids)
 
     monkeypatch.setattr(batch_kv, "prefill_one", counted)
