@@ -32,7 +32,8 @@ def enqueue() -> None:
 @click.option("--dataset", help="A built-in Polish set instead: " + ", ".join(DATASETS) + "; a .jsonl path; or hf:OWNER/NAME[:SPLIT].")
 @click.option("--limit", type=int, help="Take only the first N prompts (default: all).")
 @click.option("--name", callback=lambda ctx, param, value: _batch_name(value),
-              help="Name the batch; enqueueing again under the same name adds only new ids.")
+              help="Name the batch; enqueueing again under the same name adds only new ids "
+                   "(not to a cancelled batch: resume it with polspec retry BATCH --cancelled).")
 @decoding_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object: batch, name, queue, added, existing.")
 def generate(input_path: str | None, dataset: str | None, limit: int | None, name: str | None, target: str,

@@ -68,6 +68,11 @@ def _write_batch(engine: Engine, spec: GenerateSpec, items: list[ItemInput],
             session.flush()
         else:
             _check_same_request(batch, wanted)
+            if batch.status == Status.CANCELLED.value:
+                # Reopening it would let its items still running ignore the cancel, and the
+                # batch would read done with its cancelled items never run.
+                raise PolspecError(f"batch {batch.name!r} (id {batch.id}) is cancelled; resume it with "
+                                   f"`polspec retry {batch.id} --cancelled`, or choose another --name")
         known = set(session.scalars(select(Item.item_key).where(Item.batch_id == batch.id)))
         rows = [Item(batch_id=batch.id, item_key=item.key, prompt=item.prompt, messages=item.messages,
                      params=item.params(spec.params).as_dict())
