@@ -41,7 +41,7 @@ def report(sweep_id: int, fmt: str, output: str | None, plots: Path | None) -> N
     from polspec.report.summary import sweep_report
     from polspec.store.migrate import upgraded_database
 
-    with upgraded_database(create=False) as engine:
+    with upgraded_database(readonly=True, create=False) as engine:
         summary = sweep_report(engine, sweep_id)
     destination = None if output in (None, "-") else Path(output)
     text = {"md": markdown, "csv": csv_text, "json": json_text}[fmt](summary)

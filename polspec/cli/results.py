@@ -52,7 +52,7 @@ def list_command(batch_id: int | None, status: str | None, limit: int, as_json: 
     from polspec.store.migrate import upgraded_database
     from polspec.store.queries import item_rows, require_batch
 
-    with upgraded_database(create=False) as engine:
+    with upgraded_database(readonly=True, create=False) as engine:
         if batch_id is not None:
             require_batch(engine, batch_id)  # an unknown batch is an error, not "no items match"
         rows = list(item_rows(engine, batch_id, status, limit + 1 if limit else None))
@@ -93,7 +93,7 @@ def show_command(batch_id: int, item_id: str, as_json: bool) -> None:
     from polspec.store.migrate import upgraded_database
     from polspec.store.queries import item_detail
 
-    with upgraded_database(create=False) as engine:
+    with upgraded_database(readonly=True, create=False) as engine:
         detail = item_detail(engine, batch_id, item_id)
     if as_json:
         click.echo(json.dumps(detail, ensure_ascii=False))
@@ -154,7 +154,7 @@ def export_command(batch_id: int, fmt: str, output: str | None) -> None:
     from polspec.store.migrate import upgraded_database
     from polspec.store.queries import EXPORT_COLUMNS, item_rows, require_batch
 
-    with upgraded_database(create=False) as engine:
+    with upgraded_database(readonly=True, create=False) as engine:
         require_batch(engine, batch_id)  # an unknown batch is an error, not an empty file
         rows = item_rows(engine, batch_id)
         if output in (None, "-"):

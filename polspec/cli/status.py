@@ -49,7 +49,7 @@ def status(batch_id: int | None, watch: bool, interval: float, as_json: bool) ->
     from polspec.store.migrate import upgraded_database
     from polspec.store.queries import batch_progress
 
-    with upgraded_database(create=False) as engine:
+    with upgraded_database(readonly=True, create=False) as engine:
         batches = batch_progress(engine, batch_id)
         if as_json:
             for batches in _changes(engine, batch_id, batches, interval) if watch else [batches]:

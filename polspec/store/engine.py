@@ -14,6 +14,7 @@ the password hidden; those from a database operation are its subclass :class:`Da
 
 from __future__ import annotations
 
+import os
 import sqlite3
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -60,7 +61,13 @@ def make_engine(url: str | URL | None = None, *, readonly: bool = False) -> Engi
             raise DatabaseProblem(shown, f"cannot create {path.parent}: {error.strerror}") from error
     if path is not None and readonly:
         # A URI so that SQLite itself refuses every write, whatever SQL a user sends.
-        parsed = parsed.set(database=f"file:{quote(str(path.resolve()))}", query={"mode": "ro", "uri": "true"})
+        query = {"mode": "ro", "uri": "true"}
+        if not can_write_beside(path) and not path.with_name(path.name + "-wal").exists():
+            # SQLite opens a WAL database only where it can make the shared-memory file beside
+            # it; where it cannot, no writer can be at work and, with no WAL left, the file
+            # holds everything: read it as it stands (a copy on read-only storage, a mount).
+            query["immutable"] = "1"
+        parsed = parsed.set(database=f"file:{quote(str(path.resolve()))}", query=query)
 
     options: dict[str, object] = {}
     if not sqlite:
@@ -109,6 +116,11 @@ def sqlite_file(url: URL) -> Path | None:
     if url.get_backend_name() != "sqlite" or not database or database == ":memory:" or database.startswith("file:"):
         return None
     return Path(database)
+
+
+def can_write_beside(path: Path) -> bool:
+    """Whether files can be made in the directory of ``path`` (a read-only mount: no, even for root)."""
+    return os.access(path.parent, os.W_OK)
 
 
 def parse_url(url: str | URL | None = None) -> URL:
