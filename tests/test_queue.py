@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -35,7 +36,7 @@ from polspec.store.schema import EnergyWindow, Item, Result
 from polspec.worker import run as worker_run
 from polspec.worker.worker import PolspecWorker
 from conftest import sqlite_url
-from helpers import wait_for, work
+from helpers import wait_for, work, worker_in_process
 
 PROMPTS = [
     "Jaka jest stolica Czech?", "Ile nóg ma pająk?", "Kto napisał „Pana Tadeusza”?", "Gdzie leży Zakopane?",
@@ -302,6 +303,18 @@ def test_a_job_queued_under_the_old_function_path_still_runs(env):
     assert work(env)  # a worker recovers before it takes jobs
     assert [item.status for item, result in results_by_key(env).values() if result] == ["done"]
 
+
+
+@pytest.mark.slow
+def test_the_workers_own_steps_show_at_log_level_info_and_not_by_default(env):
+    enqueue = ["enqueue", "generate", "--dataset", "pl-short", "--limit", "1", "--target", "smollm2-135m",
+               "--max-tokens", "2"]
+    cli(env, *enqueue)
+    said = worker_in_process(env, "--burst", "--log-level", "INFO", "--batch", "2")
+    assert re.search(r"^\d\d:\d\d:\d\d decoding smollm2-135m in batches of up to 2$", said, re.MULTILINE), said
+    cli(env, *enqueue)
+    said = worker_in_process(env, "--burst", "--batch", "2")
+    assert "serving" in said and "decoding" not in said, said
 
 @pytest.mark.slow
 def test_enqueue_and_the_worker_agree_on_chat_mode(env, home_with_models, smollm2):

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import click
 
 from polspec.worker import HEARTBEAT_GRACE_S, HEARTBEAT_INTERVAL_S
@@ -33,7 +37,7 @@ class BatchSize(click.ParamType):
               help="Serve only this target model's queue (repeatable). Default: the queue of every known model.")
 @click.option("--log-level", default="WARNING", show_default=True,
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
-              help="RQ's log output on stderr.")
+              help="The worker's log output (its own and RQ's): INFO adds each job and each step of a first model fetch.")
 @click.option("--heartbeat-interval", default=HEARTBEAT_INTERVAL_S, hidden=True, type=click.IntRange(1),
               help="Seconds between heartbeats while a job runs.")
 @click.option("--heartbeat-grace", default=HEARTBEAT_GRACE_S, hidden=True, type=click.IntRange(1),
@@ -67,7 +71,25 @@ def worker(batch: int | None, burst: bool, queues: tuple[str, ...], log_level: s
         click.echo(f"serving {', '.join(shown)}" + (" until empty" if burst else ""), err=True)
 
     require_current_schema()  # before the progress bar reads the database
-    with batch_bar() as redraw:
+    with batch_bar() as redraw, _logs_on_stderr(log_level):
         options = WorkerOptions(queues=queues, burst=burst, batch=batch, log_level=log_level,
                                 heartbeat_interval=heartbeat_interval, heartbeat_grace=heartbeat_grace)
         run_worker(options, on_start=started, on_job_end=redraw)
+
+
+@contextmanager
+def _logs_on_stderr(level: str) -> Iterator[None]:
+    """polspec's own log records (``polspec.*``) on stderr at ``level`` while the block runs, as
+    RQ shows its own. Without a handler Python prints only warnings, bare, and drops the INFO
+    steps (a first fetch's progress) that ``--log-level INFO`` asks for."""
+    logger = logging.getLogger("polspec")
+    handler = logging.StreamHandler()  # sys.stderr as it is now (a test runner swaps it)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+    before = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(level.upper())
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(before)
