@@ -533,3 +533,24 @@ def test_eta_counts_parallel_workers_once_and_skips_idle_hours(engine: Engine) -
     (progress,) = batch_progress(engine, batch.id)
     assert progress.busy_s == 150
     assert progress.eta_s == pytest.approx(100)
+
+
+def test_throughput_leaves_out_the_model_load_and_probe_an_item_waited_for(engine: Engine) -> None:
+    """a is claimed first and waits 60 s for the models and 10 s for the probe, then decodes
+    alongside b: the batch decoded from b's claim at 50 s to 100 s, not for all 100 s."""
+    start = datetime(2026, 11, 30, 10, 0, tzinfo=UTC)
+    with session_scope(engine) as session:
+        batch = new_batch(session)
+        for key, span, waited in (("a", (0, 100), {"model_load_s": 60.0, "probe_s": 10.0}), ("b", (50, 100), {}),
+                                  ("c", None, {})):
+            item = new_item(session, batch, key)
+            if span is not None:
+                item.status = "done"
+                item.started_at, item.finished_at = (start + timedelta(seconds=s) for s in span)
+                result = new_result(item)
+                result.timings = {"decode_s": 0.24, **waited}
+                session.add(result)
+    (progress,) = batch_progress(engine, batch.id)
+    assert progress.busy_s == 50
+    assert progress.aggregate_tokens_per_s == pytest.approx(6 / 50)
+    assert progress.eta_s == pytest.approx(25)

@@ -36,8 +36,8 @@ def status(batch_id: int | None, watch: bool, interval: float, as_json: bool) ->
     """Show every batch and sweep (newest first), or one: items done, failed, running, queued,
     speed, time left.
 
-    "tok/s" is the throughput of the whole run (every token over the wall time workers held its
-    items, model loading and prompt prefill included, so items decoded together add up),
+    "tok/s" is the throughput of the whole run (every token over the wall time workers decoded
+    its items, prompt prefill included and model loading not, so items decoded together add up),
     "seq tok/s" the decode speed of one sequence; the time left is at the run's pace so far.
 
     \b

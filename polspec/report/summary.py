@@ -33,7 +33,7 @@ import math
 import statistics
 from collections import defaultdict
 from dataclasses import asdict, dataclass
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any, NamedTuple
 
 from sqlalchemy import Engine, func, select
@@ -42,7 +42,7 @@ from polspec.decoding.costmodel import PROBE_FORMAT, Probe, break_even_acceptanc
 from polspec.decoding.probe_files import load_probe
 from polspec.errors import PolspecError
 from polspec.store.engine import session_scope
-from polspec.store.queries import busy_seconds
+from polspec.store.queries import busy_seconds, decoding_start
 from polspec.store.schema import Batch, Cell, EnergyWindow, Item, Result, Status
 
 # Two-sided 95% quantiles of Student's t for 1..30 degrees of freedom; the normal 1.96 beyond.
@@ -267,7 +267,7 @@ def sweep_report(engine: Engine, batch_id: int) -> SweepReport:
                        batch_size, temperature, config["verify"])
                if not cell.baseline else (config["dataset"], None, batch_size, temperature))
         if item.started_at is not None and item.finished_at is not None:
-            spans[key].append((_decoding_start(item, result), item.finished_at, result.generated_tokens))
+            spans[key].append((decoding_start(item.started_at, item.finished_at, result.timings), item.finished_at, result.generated_tokens))
         if cell.baseline:
             baseline[pair], baseline_runs[pair] = result.decode_tokens_per_s, run
         else:
@@ -289,14 +289,6 @@ def _sweep_params(spec: dict[str, Any]) -> dict[str, Any]:
     temperature grids or verification): the sweep's one value, else the default."""
     params = spec.get("params", {})
     return {"batch": 1, "temperature": params.get("temperature", 0.0), "verify": params.get("verify", "auto")}
-
-
-def _decoding_start(item: Item, result: Result) -> datetime:
-    """When the item began decoding: its claim, plus the models' load and the probe it waited
-    for. Only the first item of a run pays those (a sweep's first is a baseline item), and
-    counting them as decoding made its cell's throughput look several times slower."""
-    waited = result.timings.get("model_load_s", 0.0) + result.timings.get("probe_s", 0.0)
-    return min(item.started_at + timedelta(seconds=waited), item.finished_at)
 
 
 def _aggregate(spans: list[tuple[Any, Any, int]]) -> float | None:

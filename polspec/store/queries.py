@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from itertools import groupby
 from typing import Any
 
@@ -34,7 +34,7 @@ class BatchProgress:
     counts: dict[str, int] = field(default_factory=dict)
     generated_tokens: int = 0
     generation_s: float = 0.0
-    busy_s: float = 0.0  # wall time during which some worker ran one of its items that ended done
+    busy_s: float = 0.0  # wall time during which some worker decoded one of its items that ended done
 
     @property
     def total(self) -> int:
@@ -51,15 +51,16 @@ class BatchProgress:
 
     @property
     def aggregate_tokens_per_s(self) -> float | None:
-        """Tokens per second of the whole run: every token over the wall time some worker ran
-        the batch's items, so items decoding together (or parallel workers) add up."""
+        """Tokens per second of the whole run: every token over the wall time some worker was
+        decoding the batch's items (model loads left out), so items decoding together (or
+        parallel workers) add up."""
         return self.generated_tokens / self.busy_s if self.busy_s > 0 else None
 
     @property
     def eta_s(self) -> float | None:
         """Seconds left at the pace of the batch so far.
 
-        The pace is wall time while any worker ran the batch's items, per item done: it counts
+        The pace is wall time while any worker decoded the batch's items, per item done: it counts
         parallel workers once and leaves out the hours a resumed sweep sat idle. Failed items
         are left out, since one that fails at once would make the pace look fast.
         """
@@ -121,13 +122,23 @@ def batch_progress(engine: Engine, batch_id: int | None = None) -> list[BatchPro
                 .join(Result, Result.item_id == Item.id).where(Item.batch_id.in_(ids)).group_by(Item.batch_id)):
             batches[batch].generated_tokens, batches[batch].generation_s = int(tokens or 0), float(decode_s or 0.0)
         runs = session.execute(
-            select(Item.batch_id, Item.started_at, Item.finished_at)
+            select(Item.batch_id, Item.started_at, Item.finished_at, Result.timings)
+            .join(Result, Result.item_id == Item.id)
             .where(Item.batch_id.in_(ids), Item.status == Status.DONE,
                    Item.started_at.is_not(None), Item.finished_at.is_not(None))
-            .order_by(Item.batch_id, Item.started_at))
+            .order_by(Item.batch_id))
         for batch, spans in groupby(runs, key=lambda run: run.batch_id):
-            batches[batch].busy_s = busy_seconds((run.started_at, run.finished_at) for run in spans)
+            batches[batch].busy_s = busy_seconds(sorted(
+                (decoding_start(run.started_at, run.finished_at, run.timings), run.finished_at) for run in spans))
         return list(batches.values())
+
+
+def decoding_start(started_at: datetime, finished_at: datetime, timings: dict[str, float]) -> datetime:
+    """When an item began decoding: its claim, plus the models' load and the probe it waited
+    for (its result's ``timings``). Only the first item of a run pays those, and counting them
+    as decoding made a short run's throughput look several times slower than it decodes."""
+    waited = timings.get("model_load_s", 0.0) + timings.get("probe_s", 0.0)
+    return min(started_at + timedelta(seconds=waited), finished_at)
 
 
 def busy_seconds(spans: Iterable[tuple[datetime, datetime]]) -> float:
