@@ -177,6 +177,10 @@ def test_cancel_drops_queued_items_and_their_jobs(env, tmp_path):
     code, output = cli(env, "retry", str(batch), "--failed")
     assert code == 0 and "has no failed items" in output
     assert json.loads(cli(env, "status", str(batch), "--json")[1])["status"] == "cancelled"
+    code, output = cli(env, "status", str(batch))
+    row = next(line for line in output.splitlines() if "│ generate " in line)
+    cells = [cell.strip() for cell in row.strip("│").split("│")]
+    assert cells[3:11] == ["cancelled", "smollm2-135m", "░" * 12 + "   0%", "0", "0", "4", "0", "0"], output
 
     code, output = cli(env, "retry", str(batch), "--cancelled")  # resume the cancelled batch
     assert code == 0 and "4 cancelled items queued again" in output

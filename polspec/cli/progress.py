@@ -58,10 +58,13 @@ def batch_bar() -> Iterator[Callable[[], None]]:
         def redraw() -> None:
             batches = [batch for batch in batch_progress(engine) if batch.id in watched]
             failed = sum(batch.counts.get("failed", 0) for batch in batches)
+            cancelled = sum(batch.counts.get("cancelled", 0) for batch in batches)
             speed = [batch.tokens_per_s for batch in batches if batch.tokens_per_s]
-            description = (f"{failed} failed " if failed else "") + (f"{speed[0]:.1f} tok/s" if speed else "")
-            progress.update(task, total=sum(b.total for b in batches), completed=sum(b.finished for b in batches),
-                            description=description)
+            description = (f"{failed} failed " if failed else "") + (f"{cancelled} cancelled " if cancelled else "") \
+                + (f"{speed[0]:.1f} tok/s" if speed else "")
+            # Cancelled items leave the bar's total: it shows the items that will run.
+            progress.update(task, total=sum(b.total for b in batches) - cancelled,
+                            completed=sum(b.completed for b in batches), description=description)
 
         redraw()
         yield redraw

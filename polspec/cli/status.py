@@ -100,16 +100,15 @@ def _table(batches: list[BatchProgress]) -> Table | str:
     if not batches:
         return "no batches yet: polspec enqueue generate --help shows how to add one"
     table = Table(title="polspec batches")
-    for heading in ("batch", "kind", "name", "status", "models", "progress", "done", "failed", "running", "queued",
-                    "tok/s", "seq tok/s", "ETA"):
-        table.add_column(heading, justify="right" if heading in ("batch", "done", "failed", "running", "queued",
-                                                                 "tok/s", "seq tok/s") else "left")
+    counted = ("done", "failed", "cancelled", "running", "queued")
+    for heading in ("batch", "kind", "name", "status", "models", "progress", *counted, "tok/s", "seq tok/s", "ETA"):
+        table.add_column(heading, justify="right" if heading in ("batch", *counted, "tok/s", "seq tok/s") else "left")
     for batch in batches:
-        share = batch.finished / batch.total if batch.total else 0.0
+        share = batch.completed / batch.total if batch.total else 0.0
         bar = "█" * round(share * 12) + "░" * (12 - round(share * 12))
         models = batch.target + (" + " + ", ".join(batch.drafts) if batch.drafts else "")
         table.add_row(str(batch.id), batch.kind, batch.name or "", batch.status, models, f"{bar} {share:4.0%}",
-                      *(str(batch.counts.get(s, 0)) for s in ("done", "failed", "running", "queued")),
+                      *(str(batch.counts.get(s, 0)) for s in counted),
                       _rate(batch.aggregate_tokens_per_s), _rate(batch.tokens_per_s), _duration(batch.eta_s))
     return table
 

@@ -41,8 +41,9 @@ class BatchProgress:
         return sum(self.counts.values())
 
     @property
-    def finished(self) -> int:
-        return sum(self.counts.get(status, 0) for status in (Status.DONE, Status.FAILED, Status.CANCELLED))
+    def completed(self) -> int:
+        """Items that ran to an end, done or failed (a cancelled item never ran: no progress)."""
+        return self.counts.get(Status.DONE, 0) + self.counts.get(Status.FAILED, 0)
 
     @property
     def tokens_per_s(self) -> float | None:
