@@ -37,7 +37,8 @@ class BatchSize(click.ParamType):
               help="Serve only this target model's queue (repeatable). Default: the queue of every known model.")
 @click.option("--log-level", default="WARNING", show_default=True,
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
-              help="The worker's log output (its own and RQ's): INFO adds each job and each step of a first model fetch.")
+              help="The worker's log output (its own and RQ's): INFO adds each job and each step "
+                   "of a first model fetch.")
 @click.option("--heartbeat-interval", default=HEARTBEAT_INTERVAL_S, hidden=True, type=click.IntRange(1),
               help="Seconds between heartbeats while a job runs.")
 @click.option("--heartbeat-grace", default=HEARTBEAT_GRACE_S, hidden=True, type=click.IntRange(1),
