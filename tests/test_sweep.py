@@ -8,6 +8,7 @@ import json
 from datetime import UTC, datetime, timedelta
 import signal
 import statistics
+from pathlib import Path
 
 import click
 import pytest
@@ -381,6 +382,23 @@ def test_a_sweep_whose_dataset_gained_prompts_is_not_resumed_without_them(env, t
                                     "another name\n")
     assert len(stored(env)) == 10
 
+
+
+def test_a_dataset_file_named_by_a_relative_path_is_the_one_beside_the_sweep_file(tmp_path, monkeypatch):
+    folder = tmp_path / "eval"
+    folder.mkdir()
+    (folder / "mine.jsonl").write_text('{"id": "a", "prompt": "Ala ma kota"}\n', encoding="utf-8")
+    (tmp_path / "mine.jsonl").write_text('{"id": "z", "prompt": "Nie ten plik"}\n', encoding="utf-8")
+    sweep_file = folder / "sweep.toml"
+    sweep_file.write_text(SMALL.replace('datasets = [{ name = "pl-short", limit = 2 }]', 'datasets = ["mine.jsonl"]'))
+    monkeypatch.chdir(tmp_path)  # started from elsewhere, where a file of that name is another one
+    plan = load_sweep(Path("eval/sweep.toml"))
+    assert {item.key for item in plan.items} == {"mine.jsonl/baseline/s0/a/r0", *(
+        f"mine.jsonl/smollm2-135m/{strategy}/k{k}/p5/s0/a/r0" for strategy in ("aligned", "naive") for k in (1, 2))}
+    sweep_file.write_text(SMALL.replace('datasets = [{ name = "pl-short", limit = 2 }]', 'datasets = ["gone.jsonl"]'))
+    with pytest.raises(PolspecError) as error:
+        load_sweep(Path("eval/sweep.toml"))
+    assert str(error.value) == "eval/sweep.toml: 'datasets': eval/gone.jsonl: No such file or directory"
 
 def test_resuming_reopens_a_cancelled_sweep_and_keeps_a_finished_one_done(env, tmp_path):
     sweep_file = tmp_path / "small.toml"

@@ -35,14 +35,19 @@ DATASETS = {
 HF_COLUMNS = ("prompt", "instruction", "question", "text")
 
 
-def load_dataset(name: str, base: DecodingParams, limit: int | None = None) -> list[ItemInput]:
-    """The first ``limit`` items (all without a limit) of a built-in set, a JSONL file or ``hf:`` set."""
+def load_dataset(name: str, base: DecodingParams, limit: int | None = None, *,
+                 relative_to: Path | None = None) -> list[ItemInput]:
+    """The first ``limit`` items (all without a limit) of a built-in set, a JSONL file or ``hf:``
+    set; a relative path to a JSONL file is taken from ``relative_to`` where given (a sweep
+    file's folder: the sweep then reads the same file from wherever it is started)."""
     if limit is not None and limit < 1:
         raise PolspecError(f"the item limit must be at least 1, got {limit}")
     if name.startswith("hf:"):
         return _hugging_face(name[3:], base, limit)
     if name.endswith(".jsonl"):
         path = Path(name).expanduser()
+        if relative_to is not None and not path.is_absolute():
+            path = relative_to / path
         try:
             data = path.read_bytes()
         except OSError as error:

@@ -9,7 +9,7 @@ other key may be left out and takes the default shown in the comment::
     strategies = ["naive", "context", "aligned"]  # default ["aligned"]
     k = [1, 2, 3, 4, 6, "auto"]                 # numbers and policy names (heuristic, confidence, auto); default [2]
     prefix = [5]                                # default [5]
-    datasets = ["pl-wiki", "pl-instruct", { name = "pl-short", limit = 10 }]
+    datasets = ["pl-wiki", "pl-instruct", { name = "pl-short", limit = 10 }]  # or "mine.jsonl", beside this file
     limit = 20                                  # items per dataset unless the dataset says otherwise
     max_tokens = 64
     temperatures = [0.0, 0.7]                   # a grid; or `temperature = 0.7` for every cell (not both); default 0.0
@@ -119,11 +119,13 @@ def load_sweep(path: Path) -> SweepPlan:
         raise PolspecError(f"{path}:{line}: not UTF-8 (byte 0x{data[error.start]:02x} at column {column})") from None
     except tomllib.TOMLDecodeError as error:
         raise PolspecError(f"{path}: not valid TOML: {error}") from None
-    return expand_sweep(config, str(path))
+    return expand_sweep(config, str(path), path.parent)
 
 
-def expand_sweep(config: dict[str, Any], source: str) -> SweepPlan:
-    """Cells and items of a sweep configuration (see the module docstring for the keys)."""
+def expand_sweep(config: dict[str, Any], source: str, folder: Path | None = None) -> SweepPlan:
+    """Cells and items of a sweep configuration (see the module docstring for the keys); a
+    dataset file named by a relative path is taken from ``folder`` (the sweep file's), else
+    from the working directory."""
     unknown = sorted(set(config) - SWEEP_KEYS)
     if unknown:
         raise PolspecError(f"{source}: unknown key {unknown[0]!r} (allowed: {', '.join(sorted(SWEEP_KEYS))})")
@@ -146,7 +148,7 @@ def expand_sweep(config: dict[str, Any], source: str) -> SweepPlan:
     spec = GenerateSpec(config["target"], None, base, False if raw else None, source)
 
     try:
-        prompts = {name: load_dataset(name, base, limit) for name, limit in datasets}
+        prompts = {name: load_dataset(name, base, limit, relative_to=folder) for name, limit in datasets}
     except PolspecError as error:
         raise PolspecError(f"{source}: 'datasets': {error}") from None
     every_item = [item for items in prompts.values() for item in items]
