@@ -350,7 +350,14 @@ def test_an_in_memory_database_is_refused_in_one_line(url: str) -> None:
     for command in (["upgrade"], ["current"]):  # it used to upgrade a database the next command lost
         result = CliRunner().invoke(main, ["db", *command], env={"POLSPEC_DB_URL": url})
         assert result.exit_code == 1 and result.output.count("\n") == 1, result.output
-        assert "an in-memory SQLite database lasts one connection; give a file" in result.output
+        assert result.output.startswith(f"polspec: error: database {url}: an in-memory SQLite database lasts one "
+                                        "connection; give a file")
+
+
+def test_a_database_url_is_shown_as_typed_but_for_its_password() -> None:
+    assert display_url("sqlite:////srv/wyniki łódź/polspec.db") == "sqlite:////srv/wyniki łódź/polspec.db"
+    assert display_url("postgresql+psycopg://ala:hunter2@db-host:5433/polspec?sslmode=require") == \
+        "postgresql+psycopg://ala:***@db-host:5433/polspec?sslmode=require"
 
 
 def test_a_database_url_whose_port_is_no_number_is_one_line() -> None:

@@ -31,8 +31,14 @@ from polspec.settings import database_url, db_busy_timeout_ms
 
 
 def display_url(url: str | URL | None = None) -> str:
-    """The URL as it may be shown to users: the password is replaced by ``***``."""
-    return parse_url(url).render_as_string(hide_password=True)
+    """The URL as it may be shown to users: the password is replaced by ``***``, and the
+    database is as typed (SQLAlchemy would percent-encode ``:memory:`` and a path's Polish
+    letters)."""
+    parsed = parse_url(url)
+    bare = URL.create(parsed.drivername, parsed.username, parsed.password, parsed.host, parsed.port,
+                      query=parsed.query)
+    head, mark, query = bare.render_as_string(hide_password=True).partition("?")
+    return head + ("" if parsed.database is None else "/" + parsed.database) + mark + query
 
 
 def make_engine(url: str | URL | None = None, *, readonly: bool = False) -> Engine:
@@ -43,7 +49,7 @@ def make_engine(url: str | URL | None = None, *, readonly: bool = False) -> Engi
     long queries never hold up writers; PostgreSQL runs ``READ ONLY`` transactions.
     """
     parsed = parse_url(url)
-    shown = parsed.render_as_string(hide_password=True)
+    shown = display_url(parsed)
     sqlite = parsed.get_backend_name() == "sqlite"
     timeout_ms = db_busy_timeout_ms() if sqlite else 0
     if sqlite and parsed.database in (None, "", ":memory:"):
