@@ -178,10 +178,11 @@ def test_models_import_registers_an_alias(isolated_home, capsys):
 
 
 @pytest.mark.slow
-def test_models_fetch_a_tokenizer(isolated_home):
-    code, output = invoke("models", "fetch", "tok:mistral-32k")
-    assert code == 0, output
-    assert output.startswith("tok:mistral-32k: ") and output.strip().endswith("tokenizer.model.v1")
+def test_models_fetch_a_tokenizer_saying_what_it_does_off_a_terminal(isolated_home):
+    result = CliRunner().invoke(main, ["models", "fetch", "tok:mistral-32k"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith("tok:mistral-32k: ") and result.stdout.strip().endswith("tokenizer.model.v1")
+    assert result.stderr.startswith("tok:mistral-32k: downloading "), result.stderr  # a bar where it can be drawn
 
 
 @pytest.mark.slow

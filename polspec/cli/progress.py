@@ -6,21 +6,26 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+import click
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from polspec.models.fetch import ProgressFn, no_progress
+from polspec.models.fetch import ProgressFn, progress_lines
+
+# Off a terminal, the longest a step goes without a line saying how far it is.
+LINE_EVERY_S = 30.0
 
 
 @contextmanager
 def progress_bar(title: str) -> Iterator[ProgressFn]:
     """Yield a callback that drives one bar on stderr; the bar disappears when done.
 
-    Off a terminal (logs, pipes, CI) nothing is drawn.
+    Off a terminal (logs, pipes, CI) it writes ``title: step`` lines instead, at each new kind
+    of step and every :data:`LINE_EVERY_S` seconds within one.
     """
     console = Console(stderr=True)
     if not console.is_terminal:
-        yield no_progress
+        yield progress_lines(lambda line: click.echo(f"{title}: {line}", err=True), LINE_EVERY_S)
         return
     columns = (TextColumn(title, style="bold", markup=False), TextColumn("{task.description}", markup=False),
                BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())

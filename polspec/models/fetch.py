@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -35,6 +36,23 @@ CHUNK = 1 << 20
 
 def no_progress(description: str, done: int, total: int | None) -> None:
     pass
+
+
+def progress_lines(write: Callable[[str], None], every_s: float) -> ProgressFn:
+    """Progress as lines for a log or a pipe, where a bar cannot be drawn: one at each new kind
+    of step (the description's first word: downloading, waiting, importing) and one every
+    ``every_s`` seconds within a step, each ``description (done of total)``. A first fetch of
+    a large model takes minutes, and a process that says nothing meanwhile looks hung."""
+    last_step, last_at = None, 0.0
+
+    def report(description: str, done: int, total: int | None) -> None:
+        nonlocal last_step, last_at
+        step = description.split(" ", 1)[0]
+        if step != last_step or time.monotonic() - last_at >= every_s:
+            write(description + (f" ({done} of {total})" if total else ""))
+            last_step, last_at = step, time.monotonic()
+
+    return report
 
 
 def source_key(source: WheelSource) -> str:

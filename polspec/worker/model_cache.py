@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import time
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -21,7 +20,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from polspec.errors import PolspecError
-from polspec.models.fetch import ProgressFn
+from polspec.models.fetch import ProgressFn, progress_lines
 from polspec.models.loader import LoadedModel, load_model
 from polspec.settings import model_cache_bytes
 
@@ -34,20 +33,10 @@ def model_bytes(model: LoadedModel) -> int:
 
 
 def logged_steps(alias: str, every_s: float = LOG_EVERY_S) -> ProgressFn:
-    """Progress that logs making ``alias``'s files local: each new kind of step (downloading,
-    waiting for another worker doing it, importing), and how far it is every ``every_s``
-    seconds. A first fetch of a large model takes minutes; a worker that says nothing meanwhile
-    looks hung."""
-    last_step, last_at = None, 0.0
-
-    def report(description: str, done: int, total: int | None) -> None:
-        nonlocal last_step, last_at
-        step = description.split(" ", 1)[0]
-        if step != last_step or time.monotonic() - last_at >= every_s:
-            log.info("%s: %s%s", alias, description, f" ({done} of {total})" if total else "")
-            last_step, last_at = step, time.monotonic()
-
-    return report
+    """Progress that logs making ``alias``'s files local (see
+    :func:`~polspec.models.fetch.progress_lines`): steps of a first fetch, another worker's
+    fetch waited for, the import."""
+    return progress_lines(lambda line: log.info("%s: %s", alias, line), every_s)
 
 
 class ModelCache:
