@@ -128,7 +128,6 @@ def test_same_name_adds_only_new_ids(env, tmp_path):
                                     "a template (the default), not raw text (--raw); choose another --name\n")
 
 
-
 def test_a_cancelled_batch_is_not_extended_by_name_until_it_is_resumed(env, tmp_path):
     source = write_jsonl(tmp_path / "p.jsonl", GOOD)
     assert invoke(env, "--input", str(source), "--name", "nightly", "--target", "smollm2-135m")[0] == 0
@@ -137,7 +136,7 @@ def test_a_cancelled_batch_is_not_extended_by_name_until_it_is_resumed(env, tmp_
     for again in (source, more):
         code, output = invoke(env, "--input", str(again), "--name", "nightly", "--target", "smollm2-135m")
         assert code == 1 and output == ("polspec: error: batch 'nightly' (id 1) is cancelled; resume it with "
-                                        "`polspec retry 1 --cancelled`, or choose another --name\n")
+                                        "polspec retry 1 --cancelled, or choose another --name\n")
     assert counts(env) == (1, 3, 0)
     status = CliRunner().invoke(main, ["status", "1", "--json"], env=env)
     assert json.loads(status.stdout)["status"] == "cancelled"
@@ -145,6 +144,7 @@ def test_a_cancelled_batch_is_not_extended_by_name_until_it_is_resumed(env, tmp_
     code, output = invoke(env, "--input", str(more), "--name", "nightly", "--target", "smollm2-135m", "--json")
     assert code == 0 and json.loads(output)["added"] == 1
     assert counts(env) == (1, 4, 4)
+
 
 def test_a_draft_that_is_the_target_itself_is_queued_with_a_note(env, tmp_path):
     source = write_jsonl(tmp_path / "p.jsonl", GOOD)

@@ -308,7 +308,6 @@ def test_a_job_queued_under_the_old_function_path_still_runs(env):
     assert [item.status for item, result in results_by_key(env).values() if result] == ["done"]
 
 
-
 @pytest.mark.slow
 def test_the_workers_own_steps_show_at_log_level_info_and_not_by_default(env):
     enqueue = ["enqueue", "generate", "--dataset", "pl-short", "--limit", "1", "--target", "smollm2-135m",
@@ -319,6 +318,7 @@ def test_the_workers_own_steps_show_at_log_level_info_and_not_by_default(env):
     cli(env, *enqueue)
     said = worker_in_process(env, "--burst", "--batch", "2")
     assert "serving" in said and "decoding" not in said, said
+
 
 @pytest.mark.slow
 def test_enqueue_and_the_worker_agree_on_chat_mode(env, home_with_models, smollm2):

@@ -383,7 +383,6 @@ def test_a_sweep_whose_dataset_gained_prompts_is_not_resumed_without_them(env, t
     assert len(stored(env)) == 10
 
 
-
 def test_a_dataset_file_named_by_a_relative_path_is_the_one_beside_the_sweep_file(tmp_path, monkeypatch):
     folder = tmp_path / "eval"
     folder.mkdir()
@@ -399,6 +398,7 @@ def test_a_dataset_file_named_by_a_relative_path_is_the_one_beside_the_sweep_fil
     with pytest.raises(PolspecError) as error:
         load_sweep(Path("eval/sweep.toml"))
     assert str(error.value) == "eval/sweep.toml: 'datasets': eval/gone.jsonl: No such file or directory"
+
 
 def test_resuming_reopens_a_cancelled_sweep_and_keeps_a_finished_one_done(env, tmp_path):
     sweep_file = tmp_path / "small.toml"

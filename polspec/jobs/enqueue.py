@@ -72,7 +72,7 @@ def _write_batch(engine: Engine, spec: GenerateSpec, items: list[ItemInput],
                 # Reopening it would let its items still running ignore the cancel, and the
                 # batch would read done with its cancelled items never run.
                 raise PolspecError(f"batch {batch.name!r} (id {batch.id}) is cancelled; resume it with "
-                                   f"`polspec retry {batch.id} --cancelled`, or choose another --name")
+                                   f"polspec retry {batch.id} --cancelled, or choose another --name")
         known = set(session.scalars(select(Item.item_key).where(Item.batch_id == batch.id)))
         rows = [Item(batch_id=batch.id, item_key=item.key, prompt=item.prompt, messages=item.messages,
                      params=item.params(spec.params).as_dict())

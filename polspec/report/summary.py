@@ -267,7 +267,8 @@ def sweep_report(engine: Engine, batch_id: int) -> SweepReport:
                        batch_size, temperature, config["verify"])
                if not cell.baseline else (config["dataset"], None, batch_size, temperature))
         if item.started_at is not None and item.finished_at is not None:
-            spans[key].append((decoding_start(item.started_at, item.finished_at, result.timings), item.finished_at, result.generated_tokens))
+            start = decoding_start(item.started_at, item.finished_at, result.timings)
+            spans[key].append((start, item.finished_at, result.generated_tokens))
         if cell.baseline:
             baseline[pair], baseline_runs[pair] = result.decode_tokens_per_s, run
         else:

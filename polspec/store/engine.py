@@ -67,13 +67,14 @@ def make_engine(url: str | URL | None = None, *, readonly: bool = False) -> Engi
             raise DatabaseProblem(shown, f"cannot create {path.parent}: {error.strerror}") from error
     if path is not None and readonly:
         # A URI so that SQLite itself refuses every write, whatever SQL a user sends.
+        path = path.resolve()
         query = {"mode": "ro", "uri": "true"}
-        if not can_write_beside(path) and not path.with_name(path.name + "-wal").exists():
+        if on_read_only_storage(path) and not path.with_name(path.name + "-wal").exists():
             # SQLite opens a WAL database only where it can make the shared-memory file beside
-            # it; where it cannot, no writer can be at work and, with no WAL left, the file
-            # holds everything: read it as it stands (a copy on read-only storage, a mount).
+            # it. On read-only storage no writer can be at work and, with no WAL left, the file
+            # holds everything: read it as it stands (a copy on a read-only mount, a snapshot).
             query["immutable"] = "1"
-        parsed = parsed.set(database=f"file:{quote(str(path.resolve()))}", query=query)
+        parsed = parsed.set(database=f"file:{quote(str(path))}", query=query)
 
     options: dict[str, object] = {}
     if not sqlite:
@@ -124,9 +125,13 @@ def sqlite_file(url: URL) -> Path | None:
     return Path(database)
 
 
-def can_write_beside(path: Path) -> bool:
-    """Whether files can be made in the directory of ``path`` (a read-only mount: no, even for root)."""
-    return os.access(path.parent, os.W_OK)
+def on_read_only_storage(path: Path) -> bool:
+    """Whether ``path`` lies on a file system mounted read-only (where nobody can write it; a
+    folder only closed to this user is another matter: its owner may be writing)."""
+    try:
+        return bool(os.statvfs(path.parent).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
 
 
 def parse_url(url: str | URL | None = None) -> URL:

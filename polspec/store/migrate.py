@@ -26,7 +26,7 @@ from sqlalchemy import URL, Connection, Engine, inspect, text
 from polspec.errors import DatabaseProblem, PolspecError
 from polspec.files import file_lock
 from polspec.settings import database_url_set
-from polspec.store.engine import can_write_beside, display_url, make_engine, parse_url, sqlite_file
+from polspec.store.engine import display_url, make_engine, on_read_only_storage, parse_url, sqlite_file
 
 # Any fixed 64-bit number: PostgreSQL advisory locks are keyed by integers.
 _PG_LOCK_KEY = int.from_bytes(hashlib.sha256(b"polspec schema migration").digest()[:8], "big", signed=True)
@@ -100,7 +100,7 @@ def upgraded_database(url: str | None = None, *, readonly: bool = False, create:
     mistyped URL is not read as "nothing stored yet". The default database under
     ``POLSPEC_HOME`` is still created, empty. Nor do they add polspec's tables to a database
     that holds other tables and none of polspec's. Commands that only read pass ``readonly``
-    too: they take no write lock, and a SQLite file on read-only storage is read where it is
+    too: they take no write lock, and a SQLite file on a read-only mount is read where it is
     at the head revision (one behind it is an error there: it cannot be upgraded).
     """
     path = sqlite_file(parse_url(url))
@@ -109,9 +109,11 @@ def upgraded_database(url: str | None = None, *, readonly: bool = False, create:
     if create:
         ensure_schema(url)
     elif (revision := _existing_revision(url)) != head_revision():
-        if path is not None and not can_write_beside(path) and not is_newer_than_polspec(revision):
+        if is_newer_than_polspec(revision):
+            raise _unknown_revision(revision, url)
+        if path is not None and on_read_only_storage(path):
             raise PolspecError(f"database {display_url(url)} is at revision {revision or 'none (empty)'}, polspec "
-                               f"needs {head_revision()}, and its directory is read-only: run polspec db upgrade "
+                               f"needs {head_revision()}, and it lies on read-only storage: run polspec db upgrade "
                                "on a copy that can be written")
         upgrade(url)
     engine = make_engine(url, readonly=readonly)
