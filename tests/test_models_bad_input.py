@@ -139,8 +139,9 @@ def test_package_missing_from_the_index(isolated_home):
         '[tokenizers.nowhere]\nsource = "wheel:mistral-common==0.0.0.999#x/y.model"\nformat = "sentencepiece"\n'
     )
     code, output = run_cli("models", "fetch", "tok:nowhere")
-    assert code == 1
-    assert output.startswith("polspec: error: could not download mistral-common==0.0.0.999")
+    said = output.splitlines()
+    assert code == 1 and said[0] == "tok:nowhere: downloading mistral-common==0.0.0.999 (0 of 1)", output
+    assert said[1].startswith("polspec: error: could not download mistral-common==0.0.0.999")
     assert leftovers(blobs_dir()) == []
 
 
