@@ -19,7 +19,15 @@ def write_file_atomically(path: Path, write: Callable[[TextIO], None]) -> None:
     a reader never sees half a file and a failure leaves nothing behind. The file gets the mode
     a plain write would give it (the existing file's, else what the umask allows). Raises
     :class:`PolspecError` naming ``path`` when it cannot be written. A symbolic link is written
-    through, as a shell's ``>`` would, not replaced."""
+    through, as a shell's ``>`` would, not replaced; so is a device or a pipe (``/dev/null``,
+    ``/dev/stdout``, a FIFO), which a file put in its place would break for every program."""
+    if path.exists() and not path.is_file() and not path.is_dir():
+        try:
+            with open(path, "w", encoding="utf-8", newline="") as handle:
+                write(handle)
+        except OSError as error:
+            raise PolspecError(f"{path}: cannot write there: {error.strerror}") from None
+        return
     destination = path.resolve()
     directory = destination.parent
     if not directory.is_dir():

@@ -10,6 +10,7 @@ import sqlite3
 import stat
 import subprocess
 import sys
+import threading
 from contextlib import closing
 from pathlib import Path
 
@@ -84,6 +85,20 @@ def test_an_export_follows_the_umask_and_replaces_a_file_whole(sqlite_env, batch
     code, _ = cli(sqlite_env, "results", "export", str(batch), "--output", str(link))
     assert code == 0 and link.is_symlink() and len(target.read_text(encoding="utf-8").splitlines()) == 3
     assert sorted(path.name for path in tmp_path.iterdir()) == ["data", "latest.jsonl", "wyniki.csv"]
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes here")
+def test_an_export_into_a_pipe_or_device_writes_into_it_and_leaves_it_one(sqlite_env, batch, tmp_path):
+    fifo = tmp_path / "rows"
+    os.mkfifo(fifo)
+    received = []
+    reader = threading.Thread(target=lambda: received.extend(fifo.read_text(encoding="utf-8").splitlines()),
+                              daemon=True)
+    reader.start()
+    code, output = cli(sqlite_env, "results", "export", str(batch), "--output", str(fifo))
+    reader.join(30)
+    assert code == 0 and fifo.is_fifo(), output  # not replaced by a file
+    assert [json.loads(line)["status"] for line in received] == ["queued"] * 3
 
 
 def test_an_output_of_a_dash_is_standard_output_and_exports_say_what_decoded_each_item(sqlite_env, batch, tmp_path, monkeypatch):
