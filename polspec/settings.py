@@ -21,7 +21,12 @@ from polspec.errors import PolspecError
 def polspec_home() -> Path:
     """The data directory; created on first use."""
     home = Path(os.environ.get("POLSPEC_HOME") or Path.home() / ".cache" / "polspec").expanduser()
-    home.mkdir(parents=True, exist_ok=True)
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+    except OSError as error:  # a file in the way, a read-only or full disk
+        problem = "is a file, not a directory" if home.is_file() else f"cannot be created: {error.strerror}"
+        where = "POLSPEC_HOME" if os.environ.get("POLSPEC_HOME") else "polspec's data directory"
+        raise PolspecError(f"{where} {home} {problem}") from None
     return home
 
 

@@ -6,8 +6,10 @@ import re
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
 import polspec
+from polspec.cli import main
 from polspec.errors import PolspecError
 from polspec.settings import model_cache_bytes
 
@@ -30,3 +32,13 @@ def test_the_model_cache_budget_is_gigabytes_or_a_share_of_memory(monkeypatch: p
         with pytest.raises(PolspecError, match=f"^POLSPEC_MODEL_CACHE_GB must be a positive number of gigabytes, "
                                                f"got '{bad}'$"):
             model_cache_bytes()
+
+
+def test_a_home_that_is_a_file_is_one_line_for_every_command(tmp_path):
+    home = tmp_path / "home"
+    home.write_text("not a directory")
+    for args in (["models", "list"], ["status"], ["enqueue", "generate", "--dataset", "pl-short", "--limit", "1"],
+                 ["doctor"]):
+        result = CliRunner().invoke(main, args, env={"POLSPEC_HOME": str(home), "POLSPEC_DB_URL": ""})
+        assert result.exit_code == 1 and result.output.endswith(
+            f"polspec: error: POLSPEC_HOME {home} is a file, not a directory\n"), (args, result.output)
