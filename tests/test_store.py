@@ -38,7 +38,7 @@ from polspec.store.migrate import (
     require_current_schema,
     upgrade,
 )
-from polspec.store.queries import batch_progress, item_detail
+from polspec.store.queries import batch_progress, item_detail, run_sql
 from polspec.store.schema import Batch, Cell, EnergyWindow, Item, Result, metadata, utcnow
 from conftest import sqlite_url
 
@@ -495,6 +495,15 @@ def test_readonly_engine_refuses_writes(engine: Engine) -> None:
     with pytest.raises((PolspecError, DBAPIError), match="read-?only"), reader.begin() as connection:
         connection.execute(text("DELETE FROM batches"))
     reader.dispose()
+
+
+def test_a_query_runs_as_written_with_colons_and_percent_signs(engine: Engine) -> None:
+    with session_scope(engine) as session:
+        new_item(session, new_batch(session), "a").prompt = "Godz. 10:30 (100%)"
+    reader = make_engine(engine.url.render_as_string(hide_password=False), readonly=True)
+    columns, rows = run_sql(reader, "SELECT prompt, 7 % 4 AS rest FROM items WHERE prompt LIKE '%:30 (100%%'")
+    reader.dispose()
+    assert columns == ["prompt", "rest"] and rows == [("Godz. 10:30 (100%)", 3)]
 
 
 # --- polspec db ---------------------------------------------------------------------------

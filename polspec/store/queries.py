@@ -11,7 +11,7 @@ from datetime import datetime, timedelta
 from itertools import groupby
 from typing import Any
 
-from sqlalchemy import Engine, func, select, text
+from sqlalchemy import Engine, func, select
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
@@ -245,7 +245,10 @@ def run_sql(engine: Engine, sql: str) -> tuple[list[str], list[tuple]]:
         raise PolspecError("the query is empty")
     try:
         with engine.connect() as connection:
-            result = connection.execute(text(sql))
+            # As written: text() would read ":name" as a parameter, even inside a string. Drivers
+            # of the format styles (psycopg) read "%" as one too, unless doubled.
+            escaped = sql.replace("%", "%%") if engine.dialect.paramstyle in ("format", "pyformat") else sql
+            result = connection.exec_driver_sql(escaped)
             if not result.returns_rows:
                 return [], []
             return list(result.keys()), [tuple(row) for row in result]
