@@ -6,6 +6,7 @@ Real redis-server (our own, flushed per test) and real SQLite; no models are loa
 from __future__ import annotations
 
 import json
+import sys
 import zlib
 from pathlib import Path
 
@@ -204,6 +205,9 @@ BAD_LINES = [
      '{"role": "assistant", "content": "Dobrze."}]}', "p.jsonl:2: the messages have no 'user' message to answer"),
     ('{"id": "a", "prompt": "x", "max_tokens": 100000000000000000000}',
      "p.jsonl:2: max_tokens must be at least 1 and at most 1,048,576, got 100000000000000000000"),
+    ('{"id": "a", "prompt": "x", "max_tokens": ' + "9" * 5000 + "}",
+     f"p.jsonl:2: cannot be read: a number of over {sys.get_int_max_str_digits()} digits"),
+    ('{"id": "a", "prompt": ' + "[" * 100_000 + "]" * 100_000 + "}", "p.jsonl:2: cannot be read: nesting too deep"),
 ]
 
 

@@ -157,6 +157,37 @@ def test_bad_registry_file_names_file_and_key(isolated_home):
     assert "models.toml: [models.x] source 'nope:x': unknown scheme 'nope'" in output
 
 
+@pytest.mark.parametrize(("text", "message"), [
+    ("models = 5\n", "'models' must be tables such as [models.NAME], got 5"),
+    ("tokenizers = []\n", "'tokenizers' must be tables such as [tokenizers.NAME], got []"),
+    ("[models]\nmine = 5\n", "[models.mine] must be a table of keys, got 5"),
+    ('[models.x]\nsource = "gguf:/x.gguf"\ndescription = 5\n', "[models.x] description must be text, got 5"),
+    ('[models.x]\nsource = "gguf:/x.gguf"\nchat_template = "yes"\n', "[models.x] chat_template must be true or false"),
+    ('[models.x]\nsource = "gguf:/x.gguf"\neos_tokens = "abc"\n', "[models.x] eos_tokens must be a list of texts, "
+                                                                   "got 'abc'"),
+    ('[models.x]\nsource = "gguf:/x.gguf"\neos_tokens = [5]\n', "[models.x] eos_tokens must be a list of texts"),
+    ('[tokenizers.t]\nsource = 5\nformat = "sentencepiece"\n', "[tokenizers.t] source must be text, got 5"),
+    ("x = " + "[" * 100_000 + "\n", "cannot be read: nesting too deep"),
+])
+def test_a_registry_value_of_the_wrong_kind_is_one_line(isolated_home, text, message):
+    (isolated_home / "models.toml").parent.mkdir(parents=True)
+    (isolated_home / "models.toml").write_text(text)
+    for args in (["models", "list"], ["enqueue", "generate", "--dataset", "pl-short"]):
+        code, output = run_cli(*args)
+        assert code == 1 and output.count("\n") == 1 and f"models.toml: {message}" in output, output
+
+
+def test_a_registry_file_that_cannot_be_read_is_one_line(isolated_home):
+    user_file = isolated_home / "models.toml"
+    user_file.parent.mkdir(parents=True)
+    user_file.write_bytes(b'[models.x]\nsource = "gguf:/\xff.gguf"\n')
+    code, output = run_cli("models", "list")
+    assert code == 1 and output == f"polspec: error: {user_file}:2: not UTF-8 (byte 0xff at column 17)\n"
+    user_file.unlink()
+    user_file.mkdir()
+    code, output = run_cli("models", "list")
+    assert code == 1 and output == f"polspec: error: {user_file}: Is a directory\n"
+
 @pytest.fixture
 def tiny_disk(tmp_path):
     """A 3 MiB tmpfs: needs root and mount; skipped with the reason elsewhere."""

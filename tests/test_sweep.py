@@ -8,6 +8,7 @@ import json
 from datetime import UTC, datetime, timedelta
 import signal
 import statistics
+import sys
 from pathlib import Path
 
 import click
@@ -220,6 +221,11 @@ def test_not_toml_is_one_line(tmp_path):
     path.write_bytes(b'target = "gemma3-270m"\nname = "\xc5\x81odz \xff"\n')  # UTF-8 up to the last byte
     result = CliRunner().invoke(main, ["enqueue", "sweep", "--config", str(path)])
     assert result.exit_code == 1 and result.output == f"polspec: error: {path}:2: not UTF-8 (byte 0xff at column 15)\n"
+    for text, what in (("limit = " + "9" * 5000, f"a number of over {sys.get_int_max_str_digits()} digits"),
+                       ("limit = " + "[" * 100_000, "nesting too deep")):
+        path.write_text(text)
+        result = CliRunner().invoke(main, ["enqueue", "sweep", "--config", str(path)])
+        assert result.exit_code == 1 and result.output == f"polspec: error: {path}: cannot be read: {what}\n"
     path.write_bytes(codecs.BOM_UTF8 + b"target = 5\n")  # a BOM is read past, to the TOML's own mistake
     result = CliRunner().invoke(main, ["enqueue", "sweep", "--config", str(path)])
     assert result.exit_code == 1 and result.output == f"polspec: error: {path}: 'target' must name the target model\n"

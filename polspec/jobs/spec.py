@@ -20,7 +20,7 @@ from typing import Any
 
 from polspec.decoding.params import DecodingParams
 from polspec.decoding.prompts import chat_mode, check_messages, check_prompt, check_text, encode_with, too_long
-from polspec.errors import PolspecError
+from polspec.errors import PolspecError, past_parser_limits
 from polspec.models.registry import load_registry
 
 # Decoding parameters a line may set for itself; the rest are per batch.
@@ -150,9 +150,12 @@ def _json_lines(lines: Iterable[bytes], source: str) -> Iterator[tuple[str, str,
         if not line.strip():
             continue
         try:
-            yield where, f"line {number}", json.loads(line)
+            value = json.loads(line)
         except json.JSONDecodeError as error:
             raise PolspecError(f"{where}: malformed JSON: {error.msg} at column {error.colno}") from None
+        except (ValueError, RecursionError) as error:
+            raise past_parser_limits(where, error) from None
+        yield where, f"line {number}", value
 
 
 def parse_items(objects: Iterable[tuple[str, str, Any]], source: str, base: DecodingParams) -> list[ItemInput]:

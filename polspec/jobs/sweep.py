@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from polspec.decoding.params import DecodingParams, is_whole_number
-from polspec.errors import PolspecError
+from polspec.errors import PolspecError, not_utf8, past_parser_limits
 from polspec.jobs.datasets import load_dataset
 from polspec.jobs.spec import GenerateSpec, ItemInput, check_items_fit, check_models
 from polspec.models.registry import load_registry
@@ -114,11 +114,11 @@ def load_sweep(path: Path) -> SweepPlan:
     except OSError as error:
         raise PolspecError(f"{path}: {error.strerror}") from None
     except UnicodeDecodeError as error:
-        line_start = data.rfind(b"\n", 0, error.start) + 1
-        line, column = data.count(b"\n", 0, error.start) + 1, error.start - line_start + 1
-        raise PolspecError(f"{path}:{line}: not UTF-8 (byte 0x{data[error.start]:02x} at column {column})") from None
+        raise not_utf8(str(path), error) from None
     except tomllib.TOMLDecodeError as error:
         raise PolspecError(f"{path}: not valid TOML: {error}") from None
+    except (ValueError, RecursionError) as error:
+        raise past_parser_limits(str(path), error) from None
     return expand_sweep(config, str(path), path.parent)
 
 

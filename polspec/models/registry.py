@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from polspec.errors import PolspecError
+from polspec.errors import PolspecError, not_utf8, past_parser_limits
 from polspec.files import write_file_atomically
 from polspec.models.sources import parse_source
 from polspec.settings import user_registry_file
@@ -24,6 +24,9 @@ MODEL_KEYS = {"source", "sha256", "architecture", "tokenizer_family", "chat_temp
               "draft_vocab"}
 TOKENIZER_KEYS = {"source", "sha256", "format", "tokenizer_family", "description"}
 TOKENIZER_FORMATS = ("sentencepiece", "tiktoken-llama3")
+# The type each key's value must have (draft_vocab is checked on its own: a number or "full").
+KEY_TYPES = {"source": str, "sha256": str, "architecture": str, "tokenizer_family": str, "description": str,
+             "format": str, "chat_template": bool, "eos_tokens": list}
 
 
 @dataclass(frozen=True)
@@ -86,14 +89,21 @@ def _unknown(kind: str, alias: str, known: list[str]) -> str:
     return f"unknown {kind} alias {alias!r}{hint} (polspec models list shows them all)"
 
 
-def _check_keys(where: str, alias: str, table: dict, allowed: set[str]) -> None:
+def _check_keys(where: str, alias: str, table: object, allowed: set[str]) -> None:
+    if not isinstance(table, dict):
+        raise PolspecError(f"{where}: [{alias}] must be a table of keys, got {table!r}")
     unknown = sorted(set(table) - allowed)
     if unknown:
         raise PolspecError(f"{where}: [{alias}] has unknown key {unknown[0]!r}; allowed: {', '.join(sorted(allowed))}")
     if "source" not in table:
         raise PolspecError(f"{where}: [{alias}] has no 'source'")
-    if not isinstance(table["source"], str):
-        raise PolspecError(f"{where}: [{alias}] source must be text, got {table['source']!r}")
+    for key, value in table.items():
+        wanted = KEY_TYPES.get(key)
+        if wanted is not None and not isinstance(value, wanted):
+            what = {str: "text", bool: "true or false", list: "a list of texts"}[wanted]
+            raise PolspecError(f"{where}: [{alias}] {key} must be {what}, got {value!r}")
+    if not all(isinstance(token, str) for token in table.get("eos_tokens", [])):
+        raise PolspecError(f"{where}: [{alias}] eos_tokens must be a list of texts, got {table['eos_tokens']!r}")
     try:
         parse_source(table["source"])  # a bad source is told here, with its file, not at fetch time
     except PolspecError as error:
@@ -106,9 +116,14 @@ def parse_registry(text: str, where: str) -> Registry:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as error:
         raise PolspecError(f"{where}: {error}") from None
+    except (ValueError, RecursionError) as error:
+        raise past_parser_limits(where, error) from None
     unknown = sorted(set(data) - {"models", "tokenizers"})
     if unknown:
         raise PolspecError(f"{where}: unknown table [{unknown[0]}]; expected [models.NAME] or [tokenizers.NAME]")
+    for kind in ("models", "tokenizers"):
+        if not isinstance(data.get(kind, {}), dict):
+            raise PolspecError(f"{where}: '{kind}' must be tables such as [{kind}.NAME], got {data[kind]!r}")
     registry = Registry()
     for alias, table in data.get("models", {}).items():
         _check_keys(where, f"models.{alias}", table, MODEL_KEYS)
@@ -135,16 +150,26 @@ def load_registry(user_file: Path | None = None) -> Registry:
     registry = parse_registry(builtin, "polspec/data/models.toml")
     user_file = user_file or user_registry_file()
     if user_file.exists():
-        user = parse_registry(user_file.read_text(encoding="utf-8"), str(user_file))
+        user = parse_registry(read_registry_text(user_file), str(user_file))
         registry.models.update(user.models)
         registry.tokenizers.update(user.tokenizers)
     return registry
 
 
+def read_registry_text(path: Path) -> str:
+    """The text of the user's registry file, or a one-line error saying why it cannot be read."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise not_utf8(str(path), error) from None
+    except OSError as error:
+        raise PolspecError(f"{path}: {error.strerror}") from None
+
+
 def add_user_model(entry: ModelEntry, user_file: Path | None = None) -> None:
     """Append ``entry`` to the user's registry file (used by ``polspec models import``)."""
     user_file = user_file or user_registry_file()
-    existing = user_file.read_text(encoding="utf-8") if user_file.exists() else ""
+    existing = read_registry_text(user_file) if user_file.exists() else ""
     if entry.alias in parse_registry(existing, str(user_file)).models:
         raise PolspecError(f"{user_file}: alias {entry.alias!r} already exists; choose another --name")
     lines = [
