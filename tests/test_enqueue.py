@@ -6,6 +6,9 @@ Real redis-server (our own, flushed per test) and real SQLite; no models are loa
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
 import sys
 import zlib
 from pathlib import Path
@@ -24,6 +27,7 @@ from polspec.store.engine import make_engine, session_scope
 from polspec.store.items import database_id
 from polspec.store.migrate import upgrade
 from polspec.store.schema import Batch, Item
+from helpers import wait_for
 
 GOOD = [
     {"id": "a", "prompt": "Jaka jest stolica Czech?"},
@@ -339,11 +343,39 @@ def test_redis_failing_while_enqueueing_leaves_the_database_as_it_was(env, tmp_p
         code, output = invoke(env, *args, "--target", "smollm2-135m")
         assert code == 1 and output.count("\n") == 1
         assert "failed while enqueueing (" in output and "when used memory > 'maxmemory'" in output
-        assert output.endswith("; nothing was added to the database\n")
+        assert output.endswith("; nothing was added to the database or the queue\n")
     with session_scope(engine) as session:
         assert [(batch.name, batch.status) for batch in session.scalars(select(Batch))] == [("nightly", "done")]
         assert session.scalar(select(func.count()).select_from(Item)) == 3
     engine.dispose()
+
+
+def test_redis_failing_part_way_through_a_large_batch_leaves_no_jobs_behind(env, tmp_path, redis_server):
+    env = dict(env, POLSPEC_REDIS_URL=redis_server.url)
+    source = write_jsonl(tmp_path / "p.jsonl", [{"id": n, "prompt": "Ile nóg ma pająk?"} for n in range(3000)])
+    connection = redis.Redis.from_url(redis_server.url)
+    # Jobs are enqueued a thousand at a time, about 1.8 MB each thousand: the first fits, the rest not.
+    connection.config_set("maxmemory", connection.info("memory")["used_memory"] + 2_700_000)
+    code, output = invoke(env, "--input", str(source), "--target", "smollm2-135m")
+    assert code == 1 and "failed while enqueueing (" in output, output
+    connection.config_set("maxmemory", 0)
+    assert counts(env) == (0, 0, 0)
+    assert connection.keys("rq:job:*") == []
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_jobs_are_enqueued_leaves_no_items_without_jobs(env, tmp_path):
+    source = write_jsonl(tmp_path / "p.jsonl", [{"id": n, "prompt": "Ile nóg ma pająk?"} for n in range(20_000)])
+    enqueuing = subprocess.Popen([sys.executable, "-c", "from polspec.cli import main; main()", "enqueue", "generate",
+                                  "--input", str(source), "--target", "smollm2-135m"],
+                                 env=os.environ | env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # The items are written in one transaction before the jobs, a thousand at a time.
+    wait_for(lambda: Path(env["POLSPEC_DB_URL"].removeprefix("sqlite:///")).exists() and counts(env)[2] > 0, 120,
+             "the first jobs enqueued")
+    enqueuing.send_signal(signal.SIGINT)
+    output = enqueuing.communicate(timeout=120)[0]
+    assert enqueuing.returncode == 1 and "Aborted!" in output, output
+    assert counts(env) == (0, 0, 0)
 
 
 def test_a_blank_batch_name_is_refused(env, tmp_path):

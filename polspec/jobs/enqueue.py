@@ -15,7 +15,7 @@ from sqlalchemy import Engine, delete, func, select, update
 from sqlalchemy.orm import Session
 
 from polspec.errors import PolspecError
-from polspec.jobs.queue import connect, display_redis_url, enqueue_items, queue_name
+from polspec.jobs.queue import connect, delete_jobs, display_redis_url, enqueue_items, job_id, queue_name
 from polspec.jobs.control import recover
 from polspec.jobs.spec import GenerateSpec, ItemInput, check_items_fit, check_models
 from polspec.jobs.sweep import SweepPlan
@@ -109,12 +109,17 @@ _CHAT_MODES = {None: "chat where the target has a template (the default)", False
 
 def _enqueue_or_undo(engine: Engine, connection: redis.Redis, queue_url: str, name: str,
                      items: list[tuple[int, int]], batch_id: int, before: str | None) -> None:
-    """Enqueue the jobs of rows just written; if Redis fails, delete those rows again (the whole
-    batch when it was created here, ``before`` None; else a status this reopened goes back to
-    ``before``, unless a worker settled it meanwhile) so that nothing is left half-created."""
+    """Enqueue the jobs of rows just written; if Redis fails, or the user interrupts, delete those
+    rows again (the whole batch when it was created here, ``before`` None; else a status this
+    reopened goes back to ``before``, unless a worker settled it meanwhile) and the jobs already
+    enqueued, so that nothing is left half-created."""
     try:
         enqueue_items(connection, name, database_id(engine), items)
-    except redis.RedisError as error:
+    except (redis.RedisError, KeyboardInterrupt) as error:
+        try:
+            delete_jobs(connection, [job_id(database_id(engine), item_id) for item_id, _ in items])
+        except redis.RedisError:
+            pass  # a job left behind finds no item: a worker skips it
         with session_scope(engine) as session:
             if before is None:
                 session.execute(delete(Batch).where(Batch.id == batch_id))
@@ -123,8 +128,10 @@ def _enqueue_or_undo(engine: Engine, connection: redis.Redis, queue_url: str, na
                 if before not in UNFINISHED:
                     session.execute(update(Batch).where(Batch.id == batch_id, Batch.status == Status.QUEUED.value)
                                     .values(status=before))
+        if isinstance(error, KeyboardInterrupt):
+            raise
         raise PolspecError(f"Redis at {display_redis_url(queue_url)} failed while enqueueing ({error}); "
-                           "nothing was added to the database") from None
+                           "nothing was added to the database or the queue") from None
 
 
 @dataclass(frozen=True)
