@@ -171,6 +171,11 @@ def test_the_read_only_query_cannot_create_a_file_or_run_nothing(sqlite_env, bat
     assert code == 1 and output == "polspec: error: the query is empty\n"
     code, output = cli(sqlite_env, "results", "sql", "SELECT count(*) AS n FROM items", "--json")
     assert code == 0 and json.loads(output) == {"n": 3}
+    code, output = cli(sqlite_env, "results", "sql", "SELECT 1e999 AS big, -1e999 AS small, 0.5 AS half", "--json")
+    assert code == 0 and json.loads(output) == {"big": "inf", "small": "-inf", "half": 0.5}  # strict JSON
+    code, output = cli(sqlite_env, "results", "sql", "SELECT 1 AS a, 2 AS a", "--json")
+    assert code == 1 and output == ("polspec: error: the query returns two columns named 'a'; for --json, name "
+                                    "them apart with AS\n")
 
 
 # Runs the CLI commands given as JSON, printing each one's exit code and output as JSON.

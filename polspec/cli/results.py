@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from rich.table import Table
 
 from polspec.cli.console import output_console
 from polspec.cli.options import ROW_ID
+from polspec.errors import PolspecError
 from polspec.files import write_file_atomically
 from polspec.store.schema import Status
 
@@ -195,8 +197,14 @@ def sql_command(query: str, as_json: bool) -> None:
     with upgraded_database(readonly=True, create=False) as engine:
         columns, rows = run_sql(engine, query)
     if as_json:
+        twice = next((column for index, column in enumerate(columns) if column in columns[:index]), None)
+        if twice is not None:  # an object keeps one value a key: the other column would vanish
+            raise PolspecError(f"the query returns two columns named {twice!r}; for --json, name them apart "
+                               "with AS")
         for row in rows:
-            click.echo(json.dumps(dict(zip(columns, row, strict=True)), ensure_ascii=False, default=str))
+            # JSON has no infinities or NaN (SQLite has): they go out as text, as the table shows them
+            values = [str(value) if isinstance(value, float) and not math.isfinite(value) else value for value in row]
+            click.echo(json.dumps(dict(zip(columns, values, strict=True)), ensure_ascii=False, default=str))
         return
     table = Table()
     for column in columns:
