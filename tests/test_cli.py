@@ -151,6 +151,9 @@ def test_doctor_human_report_marks_problems(closed_port, sqlite_url, redis_url):
     assert code == 1 and re.search(r"^!! database +POLSPEC_DB_URL: not a database URL", output, re.M)
     # The rest of the report still comes; a server that answers is no unreachable one.
     assert re.search(r"^!! redis +redis://127\.0\.0\.1:\d+/99: refused \(.*DB index is out of range", output, re.M)
+    code, output = invoke("doctor", env={"POLSPEC_REDIS_URL": redis_url, "POLSPEC_DB_URL": sqlite_url,
+                                         "POLSPEC_DB_BUSY_TIMEOUT_MS": "abc", "POLSPEC_MODEL_CACHE_GB": "-1"})
+    assert code == 1 and re.search(r"^!! settings +POLSPEC_DB_BUSY_TIMEOUT_MS .*; POLSPEC_MODEL_CACHE_GB ", output, re.M)
 
 
 @pytest.mark.slow

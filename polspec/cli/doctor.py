@@ -68,6 +68,19 @@ def _database_report(url: str) -> dict:
     return report
 
 
+def _settings_report() -> dict:
+    """The settings that are set but wrong, each as the one line the commands that read it give."""
+    from polspec.settings import db_busy_timeout_ms, model_cache_bytes
+
+    errors = []
+    for read in (db_busy_timeout_ms, model_cache_bytes):
+        try:
+            read()
+        except PolspecError as error:
+            errors.append(str(error))
+    return {"errors": errors}
+
+
 def collect() -> dict:
     """Everything doctor reports, as plain data."""
     from polspec import backend
@@ -87,6 +100,7 @@ def collect() -> dict:
         "matmul_gflops_f32": round(backend.measure_matmul_gflops(), 1),
         "memory_bandwidth_gbps": round(backend.measure_memory_bandwidth(), 1),
         "home": str(polspec_home()),
+        "settings": _settings_report(),
         "redis": _redis_report(redis_url()),
         "database": _database_report(database_url()),
         "energy": {"meter": meter.name, "available": meter.name is not None, "reason": meter.reason},
@@ -94,9 +108,11 @@ def collect() -> dict:
 
 
 def failures(report: dict) -> list[str]:
-    """What keeps polspec from working here: an unreachable Redis, an unusable database. (A slow
-    BLAS, Redis without AOF, an old schema or no energy meter are warnings: work still runs.)"""
-    return [name for name, failed in (("redis", not report["redis"]["reachable"]),
+    """What keeps polspec from working here: a wrong setting, an unreachable Redis, an unusable
+    database. (A slow BLAS, Redis without AOF, an old schema or no energy meter are warnings:
+    work still runs.)"""
+    return [name for name, failed in (("settings", bool(report["settings"]["errors"])),
+                                      ("redis", not report["redis"]["reachable"]),
                                       ("database", "error" in report["database"])) if failed]
 
 
@@ -114,6 +130,8 @@ def _print_human(report: dict, failed: list[str]) -> None:
         ("matmul", True, f"{report['matmul_gflops_f32']} GFLOP/s (float32, 1024x1024)"),
         ("bandwidth", True, f"{report['memory_bandwidth_gbps']} GB/s (weights read by a matrix-vector product)"),
         ("home", True, report["home"]),
+        ("settings", not report["settings"]["errors"],
+         "; ".join(report["settings"]["errors"]) or "the POLSPEC_ variables set are valid"),
         ("redis", redis_report["reachable"] and redis_report.get("aof", False),
          f"{redis_report['url']}: " + (
              f"reachable, AOF {'on' if redis_report['aof'] else 'off'}"
