@@ -378,6 +378,15 @@ def test_ctrl_c_while_jobs_are_enqueued_leaves_no_items_without_jobs(env, tmp_pa
     assert counts(env) == (0, 0, 0)
 
 
+@pytest.mark.parametrize("args", [["enqueue", "generate", "--input", ""], ["enqueue", "sweep", "--config", ""],
+                                  ["results", "export", "1", "--output", ""], ["report", "1", "--output", ""]])
+def test_an_empty_path_is_refused_as_such(env, args):
+    result = CliRunner().invoke(main, args, env=env)
+    assert result.exit_code == 2 and result.output.splitlines()[-1] == (
+        f"Error: Invalid value for '{args[-2]}': needs a file path, got an empty one (or '.')")
+    assert counts(env) == (0, 0, 0)
+
+
 def test_a_blank_batch_name_is_refused(env, tmp_path):
     source = write_jsonl(tmp_path / "p.jsonl", GOOD)
     code, output = invoke(env, "--input", str(source), "--name", " ")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from polspec.cli.options import decoding_options, decoding_params, note_if_the_draft_is_the_target
+from polspec.cli.options import a_path, decoding_options, decoding_params, note_if_the_draft_is_the_target
 from polspec.errors import PolspecError
 from polspec.jobs.datasets import DATASETS, load_dataset
 
@@ -26,7 +26,7 @@ def enqueue() -> None:
 
 
 @enqueue.command("generate")
-@click.option("--input", "input_path", metavar="FILE.jsonl|-",
+@click.option("--input", "input_path", metavar="FILE.jsonl|-", callback=a_path,
               help='Prompts, one JSON object per line: {"id": ..., "prompt": ...} or {"id": ..., "messages": [...]}; '
                    "- reads standard input.")
 @click.option("--dataset", help="A built-in Polish set instead: " + ", ".join(DATASETS) + "; a .jsonl path; or hf:OWNER/NAME[:SPLIT].")
@@ -89,7 +89,7 @@ def _read_lines(path: str) -> list[bytes]:
 
 
 @enqueue.command("sweep")
-@click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False, path_type=Path),
+@click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False, path_type=Path), callback=a_path,
               help="The sweep file (TOML); examples/sweep-offline.toml is one to start from.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object: batch, name, queue, cells, items, enqueued, done, resumed.")
 def sweep(config_path: Path, as_json: bool) -> None:

@@ -32,6 +32,14 @@ class RowId(click.ParamType):
 ROW_ID = RowId()
 
 
+def a_path(ctx: click.Context, param: click.Parameter, value):
+    """A path option's value, refused when empty (an unset shell variable, ``--output ""``): the
+    error would otherwise name no file, or the working directory."""
+    if value is not None and str(value) in ("", "."):  # a Path type reads "" as "."
+        raise click.BadParameter("needs a file path, got an empty one (or '.')")
+    return value
+
+
 class NumberOrName(click.ParamType):
     """A whole number, or one of ``names`` (a policy or setting); ``number`` says which numbers."""
 

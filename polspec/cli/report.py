@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from polspec.cli.options import ROW_ID
+from polspec.cli.options import ROW_ID, a_path
 from polspec.errors import PolspecError
 from polspec.files import write_file_atomically
 
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 @click.option("--format", "fmt", type=click.Choice(["md", "csv", "json"], case_sensitive=False), default="md",
               show_default=True,
               help="Markdown tables, or one row per cell as CSV or JSON.")
-@click.option("--output", type=click.Path(dir_okay=False, allow_dash=True),
+@click.option("--output", type=click.Path(dir_okay=False, allow_dash=True), callback=a_path,
               help="Write the report to this file (whole or not at all); without it, or with -, to standard output.")
 @click.option("--plots", type=click.Path(file_okay=False, path_type=Path),
               help="Write PNG plots into this directory (created if missing).")

@@ -12,7 +12,7 @@ import click
 from rich.table import Table
 
 from polspec.cli.console import output_console
-from polspec.cli.options import ROW_ID
+from polspec.cli.options import ROW_ID, a_path
 from polspec.errors import PolspecError
 from polspec.files import write_file_atomically
 from polspec.store.schema import Status
@@ -138,7 +138,7 @@ def _window_line(window: dict) -> str:
 @click.argument("batch_id", type=ROW_ID)
 @click.option("--format", "fmt", type=click.Choice(["csv", "jsonl"], case_sensitive=False), default="jsonl",
               show_default=True)
-@click.option("--output", type=click.Path(dir_okay=False, allow_dash=True),
+@click.option("--output", type=click.Path(dir_okay=False, allow_dash=True), callback=a_path,
               help="Write to this file (whole or not at all); without it, or with -, to standard output.")
 def export_command(batch_id: int, fmt: str, output: str | None) -> None:
     """Every item of a batch with its text and metrics, as CSV or JSONL (UTF-8): per item the
