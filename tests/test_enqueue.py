@@ -391,6 +391,9 @@ def test_a_blank_batch_name_is_refused(env, tmp_path):
     source = write_jsonl(tmp_path / "p.jsonl", GOOD)
     code, output = invoke(env, "--input", str(source), "--name", " ")
     assert code == 1 and output == "polspec: error: --name needs some text in it (or leave it out)\n"
+    code, output = invoke(env, "--input", str(source), "--name", "noc\nna")
+    assert code == 1 and output == ("polspec: error: --name may not hold a line break or other control character, "
+                                    "got 'noc\\nna'\n")
     assert counts(env) == (0, 0, 0)
 
 

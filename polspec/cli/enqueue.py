@@ -17,6 +17,8 @@ def _batch_name(name: str | None) -> str | None:
     # A blank name could never be found again to resume the batch (a name is how it is found).
     if name is not None and not name.strip():
         raise PolspecError("--name needs some text in it (or leave it out)")
+    if name is not None and not name.isprintable():  # a line break or a tab would break the status table
+        raise PolspecError(f"--name may not hold a line break or other control character, got {name!r}")
     return name
 
 

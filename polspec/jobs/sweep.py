@@ -132,8 +132,8 @@ def expand_sweep(config: dict[str, Any], source: str, folder: Path | None = None
     if not isinstance(config.get("target"), str):
         raise PolspecError(f"{source}: 'target' must name the target model")
     sweep_name = config.get("name", "x")
-    if not isinstance(sweep_name, str) or not sweep_name.strip():
-        raise PolspecError(f"{source}: 'name' must be some text (or be left out), got {sweep_name!r}")
+    if not isinstance(sweep_name, str) or not sweep_name.strip() or not sweep_name.isprintable():
+        raise PolspecError(f"{source}: 'name' must be some text on one line (or be left out), got {sweep_name!r}")
     grid = {key: _list(config, key, source) for key in GRID_KEYS if key != "datasets"}
     _check_aliases(config["target"], grid["drafts"], source)
     datasets = _datasets(config, source)
