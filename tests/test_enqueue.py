@@ -127,6 +127,12 @@ def test_same_name_adds_only_new_ids(env, tmp_path):
     code, output = invoke(env, "--input", str(more), "--name", "nightly", "--target", "smollm2-135m", "--k", "3")
     assert code == 1 and output.count("\n") == 1
     assert "batch 'nightly' (id 1) exists with different parameters: k (2, not 3); choose another --name" in output
+    edited = write_jsonl(tmp_path / "edited.jsonl", [{**GOOD[0], "prompt": "Jaka jest stolica Słowacji?"}, GOOD[1],
+                                                     {**GOOD[2], "prompt": "Ile nóg ma mucha?"}])
+    code, output = invoke(env, "--input", str(edited), "--name", "nightly", "--target", "smollm2-135m")
+    assert code == 1 and output == ("polspec: error: batch 'nightly' (id 1) has id 'a' and 1 more with another "
+                                    "prompt; give the new text a new id, or choose another --name\n")
+    assert counts(env) == (1, 4, 4)
     plain = write_jsonl(tmp_path / "plain.jsonl", [{"id": "e", "prompt": "Kto napisał Lalkę?"}])
     code, output = invoke(env, "--input", str(plain), "--name", "nightly", "--target", "smollm2-135m", "--raw")
     assert code == 1 and output == ("polspec: error: batch 'nightly' (id 1) was queued as chat where the target has "

@@ -73,7 +73,14 @@ def _write_batch(engine: Engine, spec: GenerateSpec, items: list[ItemInput],
                 # batch would read done with its cancelled items never run.
                 raise PolspecError(f"batch {batch.name!r} (id {batch.id}) is cancelled; resume it with "
                                    f"polspec retry {batch.id} --cancelled, or choose another --name")
-        known = set(session.scalars(select(Item.item_key).where(Item.batch_id == batch.id)))
+        known = {key: (prompt, messages) for key, prompt, messages in session.execute(
+            select(Item.item_key, Item.prompt, Item.messages).where(Item.batch_id == batch.id))}
+        changed = [item.key for item in items if known.get(item.key, (item.prompt, item.messages))
+                   != (item.prompt, item.messages)]
+        if changed:  # kept as it was, the new text would never run, and no one would be told
+            raise PolspecError(f"batch {batch.name!r} (id {batch.id}) has id {changed[0]!r}"
+                               + (f" and {len(changed) - 1} more" if len(changed) > 1 else "")
+                               + " with another prompt; give the new text a new id, or choose another --name")
         rows = [Item(batch_id=batch.id, item_key=item.key, prompt=item.prompt, messages=item.messages,
                      params=item.params(spec.params).as_dict())
                 for item in items if item.key not in known]
