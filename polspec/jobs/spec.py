@@ -177,7 +177,8 @@ def parse_items(objects: Iterable[tuple[str, str, Any]], source: str, base: Deco
 def parse_item(data: Any, where: str, base: DecodingParams) -> ItemInput:
     """One prompt object, checked: keys, id, prompt or messages, and its decoding parameters."""
     if not isinstance(data, dict):
-        raise PolspecError(f"{where}: expected a JSON object, got {type(data).__name__}")
+        kind = {list: "an array", str: "a string", bool: "true or false", int: "a number", float: "a number"}
+        raise PolspecError(f"{where}: expected a JSON object, got {kind.get(type(data), 'null')}")
     unknown = sorted(set(data) - set(ITEM_KEYS))
     if unknown:
         raise PolspecError(f"{where}: unknown key {unknown[0]!r} (allowed: {', '.join(ITEM_KEYS)})")
