@@ -20,14 +20,18 @@ def write_file_atomically(path: Path, write: Callable[[TextIO], None]) -> None:
     a plain write would give it (the existing file's, else what the umask allows). Raises
     :class:`PolspecError` naming ``path`` when it cannot be written. A symbolic link is written
     through, as a shell's ``>`` would, not replaced; so is a device or a pipe (``/dev/null``,
-    ``/dev/stdout``, a FIFO), which a file put in its place would break for every program."""
-    if path.exists() and not path.is_file() and not path.is_dir():
-        try:
-            with open(path, "w", encoding="utf-8", newline="") as handle:
+    ``/dev/stdout``, a FIFO), which a file put in its place would break for every program, and
+    anything under ``/dev`` or ``/proc`` (``/dev/stdout`` may lead to a file the shell opened
+    for appending)."""
+    try:
+        special = path.absolute().parts[1:2] in (("dev",), ("proc",)) or (
+            path.exists() and not path.is_file() and not path.is_dir())
+        if special:  # appending: a shell's `>> file` behind /dev/stdout keeps what it holds
+            with open(path, "a", encoding="utf-8", newline="") as handle:
                 write(handle)
-        except OSError as error:
-            raise PolspecError(f"{path}: cannot write there: {error.strerror}") from None
-        return
+            return
+    except OSError as error:
+        raise PolspecError(f"{path}: cannot write there: {error.strerror}") from None
     destination = path.resolve()
     directory = destination.parent
     if not directory.is_dir():

@@ -24,7 +24,8 @@ def polspec_home() -> Path:
     try:
         home.mkdir(parents=True, exist_ok=True)
     except OSError as error:  # a file in the way, a read-only or full disk
-        problem = "is a file, not a directory" if home.is_file() else f"cannot be created: {error.strerror}"
+        problem = "is a file, not a directory" if isinstance(error, FileExistsError) else \
+            f"cannot be created: {error.strerror}"
         where = "POLSPEC_HOME" if os.environ.get("POLSPEC_HOME") else "polspec's data directory"
         raise PolspecError(f"{where} {home} {problem}") from None
     return home

@@ -99,6 +99,12 @@ def test_an_export_into_a_pipe_or_device_writes_into_it_and_leaves_it_one(sqlite
     reader.join(30)
     assert code == 0 and fifo.is_fifo(), output  # not replaced by a file
     assert [json.loads(line)["status"] for line in received] == ["queued"] * 3
+    log = tmp_path / "log.jsonl"
+    log.write_text("earlier\n")
+    with log.open("a") as appended:  # as a shell's `>> log.jsonl` opens it
+        subprocess.run([sys.executable, "-c", "from polspec.cli import main; main()", "results", "export", str(batch),
+                        "--output", "/dev/stdout"], stdout=appended, env=os.environ | sqlite_env, check=True)
+    assert log.read_text().splitlines()[0] == "earlier" and len(log.read_text().splitlines()) == 4
 
 
 def test_an_output_of_a_dash_is_standard_output_and_exports_say_what_decoded_each_item(sqlite_env, batch, tmp_path, monkeypatch):

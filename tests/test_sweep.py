@@ -374,7 +374,7 @@ def test_the_interval_of_close_ratios_is_the_t_interval():
     assert mean_interval(ratios) == pytest.approx((1.2, 1.2 - half, 1.2 + half), abs=1e-3)
 
 
-def test_a_sweep_whose_dataset_gained_prompts_is_not_resumed_without_them(env, tmp_path):
+def test_a_sweep_whose_dataset_gained_or_changed_prompts_is_not_resumed(env, tmp_path):
     data = tmp_path / "mine.jsonl"
     data.write_text('{"id": "a", "prompt": "Ala ma kota"}\n{"id": "b", "prompt": "Kot ma Alę"}\n', encoding="utf-8")
     sweep_file = tmp_path / "mine.toml"
@@ -387,6 +387,11 @@ def test_a_sweep_whose_dataset_gained_prompts_is_not_resumed_without_them(env, t
     assert code == 1 and output == ("polspec: error: sweep 'small' (id 1) was enqueued over other prompts: its datasets "
                                     f"now give 5 items it lacks (first: '{data}/baseline/s0/c/r0'); give the sweep "
                                     "another name\n")
+    data.write_text('{"id": "a", "prompt": "Ala ma psa"}\n{"id": "b", "prompt": "Kot ma Alę"}\n', encoding="utf-8")
+    code, output = cli(env, "enqueue", "sweep", "--config", str(sweep_file))
+    assert code == 1 and output == ("polspec: error: sweep 'small' (id 1) was enqueued over other prompts: its datasets "
+                                    f"now give 5 items another text (first: '{data}/baseline/s0/a/r0'); give the "
+                                    "sweep another name\n")
     assert len(stored(env)) == 10
 
 

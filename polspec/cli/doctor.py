@@ -68,12 +68,13 @@ def _database_report(url: str) -> dict:
     return report
 
 
-def _settings_report() -> dict:
-    """The settings that are set but wrong, each as the one line the commands that read it give."""
+def _settings_report(sqlite: bool) -> dict:
+    """The settings that are set but wrong, each as the one line the commands that read it give
+    (the busy timeout only for a SQLite database: nothing reads it for another)."""
     from polspec.settings import db_busy_timeout_ms, model_cache_bytes
 
     errors = []
-    for read in (db_busy_timeout_ms, model_cache_bytes):
+    for read in (db_busy_timeout_ms, model_cache_bytes) if sqlite else (model_cache_bytes,):
         try:
             read()
         except PolspecError as error:
@@ -100,7 +101,7 @@ def collect() -> dict:
         "matmul_gflops_f32": round(backend.measure_matmul_gflops(), 1),
         "memory_bandwidth_gbps": round(backend.measure_memory_bandwidth(), 1),
         "home": str(polspec_home()),
-        "settings": _settings_report(),
+        "settings": _settings_report(database_url().startswith("sqlite")),
         "redis": _redis_report(redis_url()),
         "database": _database_report(database_url()),
         "energy": {"meter": meter.name, "available": meter.name is not None, "reason": meter.reason},
@@ -131,7 +132,7 @@ def _print_human(report: dict, failed: list[str]) -> None:
         ("bandwidth", True, f"{report['memory_bandwidth_gbps']} GB/s (weights read by a matrix-vector product)"),
         ("home", True, report["home"]),
         ("settings", not report["settings"]["errors"],
-         "; ".join(report["settings"]["errors"]) or "the POLSPEC_ variables set are valid"),
+         "; ".join(report["settings"]["errors"]) or "model cache and busy timeout as set"),
         ("redis", redis_report["reachable"] and redis_report.get("aof", False),
          f"{redis_report['url']}: " + (
              f"reachable, AOF {'on' if redis_report['aof'] else 'off'}"
@@ -159,7 +160,8 @@ def doctor(as_json: bool) -> None:
     you can see at once whether the Linux BLAS fix is working (hundreds of GFLOP/s
     instead of single digits). Takes a few seconds. Marks: ok; -- a warning (work still
     runs: a slow BLAS, Redis without AOF, an old schema, no energy meter); !! a failure
-    (Redis unreachable, database unusable), which also makes the exit status 1.
+    (a setting the commands refuse, Redis unreachable, database unusable), which also makes the
+    exit status 1.
 
     \b
     Examples:

@@ -11,13 +11,14 @@ import click
 from polspec.cli.options import a_path, decoding_options, decoding_params, note_if_the_draft_is_the_target
 from polspec.errors import PolspecError
 from polspec.jobs.datasets import DATASETS, load_dataset
+from polspec.jobs.spec import has_control_characters
 
 
 def _batch_name(name: str | None) -> str | None:
     # A blank name could never be found again to resume the batch (a name is how it is found).
     if name is not None and not name.strip():
         raise PolspecError("--name needs some text in it (or leave it out)")
-    if name is not None and not name.isprintable():  # a line break or a tab would break the status table
+    if name is not None and has_control_characters(name):  # a line break or a tab would break the status table
         raise PolspecError(f"--name may not hold a line break or other control character, got {name!r}")
     return name
 

@@ -3,7 +3,8 @@ on the target's queue.
 
 Order matters for "never half-created": models and Redis are checked first, then the batch and
 its items are written in one transaction, then the jobs are enqueued. If enqueueing fails
-(Redis went away in between), the rows just written are removed again and the error says so.
+(Redis went away in between, or Ctrl+C), the rows just written are removed again, then the jobs
+already queued, and the error says so.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def enqueue_generate(spec: GenerateSpec, items: list[ItemInput], name: str | Non
     """Create (or extend, for an existing ``name``) a generation batch and enqueue its new items.
 
     Items whose key the named batch already has are left alone, so enqueueing the same file
-    twice under one name adds nothing twice.
+    twice under one name adds nothing twice; one it has with another prompt is refused.
     """
     check_models(spec, items)
     check_items_fit(spec, items)
@@ -73,14 +74,14 @@ def _write_batch(engine: Engine, spec: GenerateSpec, items: list[ItemInput],
                 # batch would read done with its cancelled items never run.
                 raise PolspecError(f"batch {batch.name!r} (id {batch.id}) is cancelled; resume it with "
                                    f"polspec retry {batch.id} --cancelled, or choose another --name")
-        known = {key: (prompt, messages) for key, prompt, messages in session.execute(
-            select(Item.item_key, Item.prompt, Item.messages).where(Item.batch_id == batch.id))}
+        known = _stored_prompts(session, batch.id)
         changed = [item.key for item in items if known.get(item.key, (item.prompt, item.messages))
                    != (item.prompt, item.messages)]
         if changed:  # kept as it was, the new text would never run, and no one would be told
             raise PolspecError(f"batch {batch.name!r} (id {batch.id}) has id {changed[0]!r}"
                                + (f" and {len(changed) - 1} more" if len(changed) > 1 else "")
-                               + " with another prompt; give the new text a new id, or choose another --name")
+                               + " with another prompt; choose another --name (the batch keeps the text it was "
+                                 "enqueued with)")
         rows = [Item(batch_id=batch.id, item_key=item.key, prompt=item.prompt, messages=item.messages,
                      params=item.params(spec.params).as_dict())
                 for item in items if item.key not in known]
@@ -89,6 +90,12 @@ def _write_batch(engine: Engine, spec: GenerateSpec, items: list[ItemInput],
         if rows and batch.status not in UNFINISHED:
             batch.status = Status.QUEUED.value
         return batch.id, before, [(row.id, row.params["max_tokens"]) for row in rows], len(items) - len(rows)
+
+
+def _stored_prompts(session: Session, batch_id: int) -> dict[str, tuple[str | None, list | None]]:
+    """Each item key of the batch with its prompt and messages as stored."""
+    return {key: (prompt, messages) for key, prompt, messages in session.execute(
+        select(Item.item_key, Item.prompt, Item.messages).where(Item.batch_id == batch_id))}
 
 
 def _check_same_request(batch: Batch, wanted: dict) -> None:
@@ -123,10 +130,8 @@ def _enqueue_or_undo(engine: Engine, connection: redis.Redis, queue_url: str, na
     try:
         enqueue_items(connection, name, database_id(engine), items)
     except (redis.RedisError, KeyboardInterrupt) as error:
-        try:
-            delete_jobs(connection, [job_id(database_id(engine), item_id) for item_id, _ in items])
-        except redis.RedisError:
-            pass  # a job left behind finds no item: a worker skips it
+        # The rows first, in one quick statement: a second Ctrl+C during the slower removal of
+        # the jobs then leaves jobs that find no item, which a worker skips.
         with session_scope(engine) as session:
             if before is None:
                 session.execute(delete(Batch).where(Batch.id == batch_id))
@@ -135,10 +140,14 @@ def _enqueue_or_undo(engine: Engine, connection: redis.Redis, queue_url: str, na
                 if before not in UNFINISHED:
                     session.execute(update(Batch).where(Batch.id == batch_id, Batch.status == Status.QUEUED.value)
                                     .values(status=before))
+        try:
+            delete_jobs(connection, [job_id(database_id(engine), item_id) for item_id, _ in items])
+        except redis.RedisError:
+            pass  # those left behind find no item, as above
         if isinstance(error, KeyboardInterrupt):
             raise
         raise PolspecError(f"Redis at {display_redis_url(queue_url)} failed while enqueueing ({error}); "
-                           "nothing was added to the database or the queue") from None
+                           "nothing was added to the database") from None
 
 
 @dataclass(frozen=True)
@@ -192,13 +201,20 @@ def enqueue_sweep(plan: SweepPlan, *, db_url: str | None = None, queue_url: str 
 
 
 def _check_same_prompts(session: Session, batch: Batch, plan: SweepPlan) -> None:
-    """A sweep resumes only where its file gives no item it lacks: a dataset edited since to add
-    prompts would otherwise have them left out, unseen (resuming adds no items)."""
-    stored = set(session.scalars(select(Item.item_key).where(Item.batch_id == batch.id)))
-    new = sorted({item.key for item in plan.items} - stored)
+    """A sweep resumes only where its file gives no item it lacks, and each item the text it has:
+    a dataset edited since would otherwise have its new prompts left out, or its new texts
+    never run, unseen (resuming adds and changes no items)."""
+    stored = _stored_prompts(session, batch.id)
+    new = sorted({item.key for item in plan.items} - set(stored))
     if new:
         raise PolspecError(f"sweep {plan.name!r} (id {batch.id}) was enqueued over other prompts: its datasets now "
                            f"give {len(new)} items it lacks (first: {new[0]!r}); give the sweep another name")
+    changed = [planned.key for planned in plan.items
+               if stored[planned.key] != (planned.item.prompt, planned.item.messages)]
+    if changed:
+        raise PolspecError(f"sweep {plan.name!r} (id {batch.id}) was enqueued over other prompts: its datasets now "
+                           f"give {len(changed)} items another text (first: {changed[0]!r}); give the sweep "
+                           "another name")
 
 
 def _write_sweep(session: Session, plan: SweepPlan) -> tuple[int, list[tuple[int, int]]]:

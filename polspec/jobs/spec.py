@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import unicodedata
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,6 +65,12 @@ class ItemInput:
 
     def params(self, base: DecodingParams) -> DecodingParams:
         return DecodingParams(**(base.as_dict() | self.overrides))
+
+
+def has_control_characters(name: str) -> bool:
+    """Whether a batch's or sweep's name holds a line break, a tab or another control character
+    (a no-break space or a soft hyphen, common in pasted Polish text, is no such character)."""
+    return any(unicodedata.category(character) in ("Cc", "Zl", "Zp") for character in name)
 
 
 def check_models(spec: GenerateSpec, items: list[ItemInput], raw_option: str = "--raw") -> None:

@@ -53,7 +53,7 @@ from typing import Any
 from polspec.decoding.params import DecodingParams, is_whole_number
 from polspec.errors import PolspecError, not_utf8, past_parser_limits
 from polspec.jobs.datasets import load_dataset
-from polspec.jobs.spec import GenerateSpec, ItemInput, check_items_fit, check_models
+from polspec.jobs.spec import GenerateSpec, ItemInput, check_items_fit, check_models, has_control_characters
 from polspec.models.registry import load_registry
 
 # Decoding parameters a sweep sets once for all its cells.
@@ -132,7 +132,7 @@ def expand_sweep(config: dict[str, Any], source: str, folder: Path | None = None
     if not isinstance(config.get("target"), str):
         raise PolspecError(f"{source}: 'target' must name the target model")
     sweep_name = config.get("name", "x")
-    if not isinstance(sweep_name, str) or not sweep_name.strip() or not sweep_name.isprintable():
+    if not isinstance(sweep_name, str) or not sweep_name.strip() or has_control_characters(sweep_name):
         raise PolspecError(f"{source}: 'name' must be some text on one line (or be left out), got {sweep_name!r}")
     grid = {key: _list(config, key, source) for key in GRID_KEYS if key != "datasets"}
     _check_aliases(config["target"], grid["drafts"], source)
