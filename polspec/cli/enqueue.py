@@ -92,7 +92,8 @@ def _read_lines(path: str) -> list[bytes]:
 
 
 @enqueue.command("sweep")
-@click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False, path_type=Path), callback=a_path,
+@click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              callback=a_path,
               help="The sweep file (TOML); examples/sweep-offline.toml is one to start from.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object: batch, name, queue, cells, items, enqueued, done, resumed.")
 def sweep(config_path: Path, as_json: bool) -> None:

@@ -33,8 +33,8 @@ def _not_nan(ctx: click.Context, param: click.Parameter, value: float) -> float:
 @click.option("--json", "as_json", is_flag=True,
               help="One JSON object per batch and line (with --watch: all of them again on every change).")
 def status(batch_id: int | None, watch: bool, interval: float, as_json: bool) -> None:
-    """Show every batch and sweep (newest first), or one: items done, failed, cancelled, running, queued,
-    speed, time left.
+    """Show every batch and sweep (newest first), or one: items done, failed, cancelled, running,
+    queued, speed, time left.
 
     "tok/s" is the throughput of the whole run (every token over the wall time workers decoded
     its items, prompt prefill included and model loading not, so items decoded together add up),
