@@ -175,7 +175,8 @@ def test_cancel_drops_queued_items_and_their_jobs(env, tmp_path):
     code, output = cli(env, "recover")
     assert "nothing to recover" in output
     code, output = cli(env, "retry", str(batch), "--failed")
-    assert code == 0 and "has no failed items" in output
+    assert code == 1 and output == (f"polspec: error: batch {batch} is cancelled; polspec retry {batch} --cancelled "
+                                    "resumes it (with --failed, its failed items too)\n")
     assert json.loads(cli(env, "status", str(batch), "--json")[1])["status"] == "cancelled"
     code, output = cli(env, "status", str(batch))
     row = next(line for line in output.splitlines() if "│ generate " in line)

@@ -272,6 +272,8 @@ def test_a_cut_list_says_so_and_a_report_names_a_batch_that_is_no_sweep(sqlite_e
     assert code == 0 and output.count("\n") == 3 and "the first 2 items; --limit 0 shows all" in output
     code, output = cli(sqlite_env, "results", "list", "--limit", "3", "--json")
     assert code == 0 and output.count("\n") == 3 and "--limit 0" not in output
+    code, output = cli(sqlite_env, "results", "list", "--limit", str(2**63 - 1))  # the database's integers end there
+    assert code == 2 and "Invalid value for '--limit'" in output and "Traceback" not in output
     code, output = cli(sqlite_env, "report", str(batch))
     assert code == 1 and output == (f"polspec: error: batch {batch} is a generate batch, not a sweep: "
                                     f"polspec results list --batch {batch} shows its items\n")

@@ -40,7 +40,7 @@ def results() -> None:
 @click.option("--batch", "batch_id", type=ROW_ID, help="Only this batch.")
 @click.option("--status", type=click.Choice([status.value for status in Status], case_sensitive=False),
               help="Only items in this state.")
-@click.option("--limit", default=20, show_default=True, type=click.IntRange(min=0),
+@click.option("--limit", default=20, show_default=True, type=click.IntRange(min=0, max=10**9),
               help="Show at most N items (0: all).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per item and line.")
 def list_command(batch_id: int | None, status: str | None, limit: int, as_json: bool) -> None:

@@ -127,6 +127,10 @@ def retry(engine: Engine, connection: redis.Redis, batch_id: int, statuses: tupl
     reopened for them. Returns how many were queued."""
     with session_scope(engine) as session:
         batch = find_batch(session, batch_id)
+        if batch.status == Status.CANCELLED.value and Status.CANCELLED not in statuses:
+            # Reopened for its failed items alone, it would read done with its cancelled ones never run.
+            raise PolspecError(f"batch {batch_id} is cancelled; polspec retry {batch_id} --cancelled resumes it "
+                               "(with --failed, its failed items too)")
         items = reopen_items(session, batch, statuses)
         target = batch.spec["target"]
     if items:
