@@ -354,6 +354,17 @@ def test_an_in_memory_database_is_refused_in_one_line(url: str) -> None:
                                         "connection; give a file")
 
 
+@pytest.mark.parametrize("url", ["sqlite:///file::memory:?uri=true", "sqlite:///file:{tmp}/none.db?uri=true"])
+def test_a_sqlite_file_uri_is_refused_in_one_line(url: str, tmp_path: Path) -> None:
+    url = url.format(tmp=tmp_path)
+    for args in (["db", "upgrade"], ["db", "current"], ["status"]):  # status created and migrated none.db
+        result = CliRunner().invoke(main, args, env={"POLSPEC_DB_URL": url})
+        assert result.exit_code == 1 and result.output == (f"polspec: error: database {url}: give the SQLite file as "
+                                                           "a path, e.g. sqlite:///results/polspec.db, not as a file: "
+                                                           "URI\n"), (args, result.output)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_database_url_is_shown_as_typed_but_for_its_password() -> None:
     assert display_url("sqlite:////srv/wyniki łódź/polspec.db") == "sqlite:////srv/wyniki łódź/polspec.db"
     assert display_url("postgresql+psycopg://ala:hunter2@db-host:5433/polspec?sslmode=require") == \

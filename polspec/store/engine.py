@@ -57,6 +57,10 @@ def make_engine(url: str | URL | None = None, *, readonly: bool = False) -> Engi
         # be gone for the next command, which would ask for the upgrade again.
         raise DatabaseProblem(shown, "an in-memory SQLite database lasts one connection; give a file, "
                                      "e.g. sqlite:///results/polspec.db")
+    if sqlite and parsed.database.startswith("file:"):
+        # SQLite's own URI form would slip past the checks above and below, which read a path.
+        raise DatabaseProblem(shown, "give the SQLite file as a path, e.g. sqlite:///results/polspec.db, "
+                                     "not as a file: URI")
     path = sqlite_file(parsed)
     if path is not None and path.is_dir():  # SQLite would only say "disk I/O error"
         raise DatabaseProblem(shown, "a directory, not a database file")
