@@ -153,6 +153,14 @@ def test_a_report_or_its_plots_that_cannot_be_written_leave_nothing_behind(sqlit
     code, output = cli(sqlite_env, "report", str(sweep_id), "--output", str(report), "--plots", str(blocker / "plots"))
     assert code == 1 and output.startswith(f"polspec: error: {blocker / 'plots'}: cannot make the plots directory")
     assert output.count("\n") == 1 and not report.exists()
+    code, output = cli(sqlite_env, "report", str(sweep_id), "--plots", "")  # it wrote into the working directory
+    assert code == 2 and output.splitlines()[-1] == ("Error: Invalid value for '--plots': needs a folder, got an "
+                                                     "empty path (. is the working directory)")
+    taken = tmp_path / "taken"
+    (taken / "acceptance.png").mkdir(parents=True)  # a folder where a plot goes
+    code, output = cli(sqlite_env, "report", str(sweep_id), "--output", str(report), "--plots", str(taken))
+    assert code == 1 and output == (f"polspec: error: {taken / 'acceptance.png'}: cannot write the plot: "
+                                    "Is a directory\n") and not report.exists()
     plots = tmp_path / "plots"
     code, output = cli(sqlite_env, "report", str(sweep_id), "--output", str(tmp_path / "no" / "r.md"), "--plots", str(plots))
     assert code == 1 and output == f"polspec: error: {tmp_path / 'no' / 'r.md'}: {tmp_path / 'no'} does not exist\n"

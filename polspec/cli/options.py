@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import click
 
@@ -38,6 +39,13 @@ def a_path(ctx: click.Context, param: click.Parameter, value):
     if value is not None and str(value) in ("", "."):  # a Path type reads "" as "."
         raise click.BadParameter("needs a file path, got an empty one (or '.')")
     return value
+
+
+def a_folder(ctx: click.Context, param: click.Parameter, value: str | None) -> Path | None:
+    """A folder option's value as a path, refused when empty (``.`` is the working directory)."""
+    if value == "":
+        raise click.BadParameter("needs a folder, got an empty path (. is the working directory)")
+    return None if value is None else Path(value)
 
 
 class NumberOrName(click.ParamType):

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from polspec.cli.options import ROW_ID, a_path
+from polspec.cli.options import ROW_ID, a_folder, a_path
 from polspec.errors import PolspecError
 from polspec.files import write_file_atomically
 
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
               help="Markdown tables, or one row per cell as CSV or JSON.")
 @click.option("--output", type=click.Path(dir_okay=False, allow_dash=True), callback=a_path,
               help="Write the report to this file (whole or not at all); without it, or with -, to standard output.")
-@click.option("--plots", type=click.Path(file_okay=False, path_type=Path),
+@click.option("--plots", type=click.Path(file_okay=False), callback=a_folder,
               help="Write PNG plots into this directory (created if missing).")
 def report(sweep_id: int, fmt: str, output: str | None, plots: Path | None) -> None:
     """The report of sweep SWEEP_ID (the batch id `polspec enqueue sweep` printed; `polspec
@@ -76,7 +76,7 @@ def _write_plots(summary: SweepReport, plots: Path) -> list[Path]:
     try:
         return write_plots(summary, plots)
     except OSError as error:
-        raise PolspecError(f"{plots}: cannot write the plots: {error.strerror}") from None
+        raise PolspecError(f"{error.filename or plots}: cannot write the plot: {error.strerror}") from None
 
 
 def _remove_new(plots: Path, before: set[Path] | None) -> None:

@@ -49,7 +49,7 @@ def _speedup_by_k(report: SweepReport, directory: Path) -> Path:
         axis.axhline(1.0, color="black", linewidth=0.8)
         axis.set(title=dataset, xlabel="k (draft tokens per round)", ylabel="speedup over target-only")
         axis.xaxis.set_major_locator(MaxNLocator(integer=True))
-        axis.legend(fontsize=7)
+        _legend(axis)
     figure.suptitle(f"{report.target}: speedup by k (dotted: auto)")
     figure.tight_layout()
     return _save(figure, directory / "speedup-by-k.png")
@@ -71,7 +71,7 @@ def _speedup_by_batch(report: SweepReport, directory: Path) -> Path:
         axis.set(title=dataset, xlabel="batch size (items decoded together)",
                  ylabel="aggregate speedup over target-only at that batch size")
         axis.set_xticks(sorted({row.batch for row in report.rows}))
-        axis.legend(fontsize=7)
+        _legend(axis)
     figure.suptitle(f"{report.target}: what speculation adds to batching")
     figure.tight_layout()
     return _save(figure, directory / "speedup-by-batch.png")
@@ -112,3 +112,10 @@ def _save(figure, path: Path) -> Path:
     figure.savefig(path, dpi=120)
     plt.close(figure)
     return path
+
+
+def _legend(axis) -> None:
+    """A legend where the axis has labelled lines (a sweep with only ``auto`` rows has none, and
+    matplotlib would warn on the user's terminal)."""
+    if axis.get_legend_handles_labels()[0]:
+        axis.legend(fontsize=7)
