@@ -111,7 +111,7 @@ BEYOND_ANY_ID = "9223372036854775808"  # one past the largest 64-bit integer key
 @pytest.mark.parametrize("args, message", [
     (["status", "--watch", "--interval", "0"], "0.0 is not in the range 0.1<=x<=86400"),
     (["status", "--watch", "--interval", "nan"], "nan is not a number of seconds"),
-    (["results", "list", "--limit", "-1"], "-1 is not in the range x>=0"),
+    (["results", "list", "--limit", "-1"], "-1 is not in the range 0<=x<=1000000000"),
     (["status", BEYOND_ANY_ID], f"{BEYOND_ANY_ID} is no id: ids are whole numbers from 1 to 9223372036854775807"),
     (["status", "0"], "0 is no id: ids are whole numbers from 1 to"),
     (["status", "1.5"], "'1.5' is not an id (a whole number)"),

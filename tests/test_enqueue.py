@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -17,17 +18,18 @@ from pathlib import Path
 import pytest
 import redis
 from click.testing import CliRunner
-from sqlalchemy import func, select
+from sqlalchemy import event, func, select
 
 from polspec.cli import main
 from polspec.decoding import DecodingParams
 from polspec.decoding.prompts import encode_request
 from polspec.errors import PolspecError
+from polspec.jobs.control import cancel, retry
 from polspec.jobs.queue import JOB_TIMEOUT_BASE_S, JOB_TIMEOUT_PER_TOKEN_S, fetch_jobs, job_id
 from polspec.store.engine import make_engine, session_scope
 from polspec.store.items import database_id
 from polspec.store.migrate import upgrade
-from polspec.store.schema import Batch, Item
+from polspec.store.schema import Batch, Item, Status
 from helpers import wait_for
 
 GOOD = [
@@ -401,6 +403,19 @@ def test_an_empty_path_is_refused_as_such(env, args):
     assert result.exit_code == 2 and result.output.splitlines()[-1] == (
         f"Error: Invalid value for '{args[-2]}': needs a file path, got an empty one (or '.')")
     assert counts(env) == (0, 0, 0)
+
+
+def test_a_batch_of_more_items_than_sqlite_takes_variables_is_cancelled_and_resumed(env, tmp_path):
+    source = write_jsonl(tmp_path / "p.jsonl", [{"id": n, "prompt": "Ile nóg ma pająk?"} for n in range(150)])
+    assert invoke(env, "--input", str(source), "--target", "smollm2-135m")[0] == 0
+    engine = make_engine(env["POLSPEC_DB_URL"])
+    # As a sweep of hundreds of thousands of items meets SQLite's limit, in a test's time.
+    event.listen(engine, "connect", lambda connection, _: connection.setlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER, 100))
+    connection = redis.Redis.from_url(env["POLSPEC_REDIS_URL"])
+    assert cancel(engine, connection, 1) == (150, False)
+    assert retry(engine, connection, 1, (Status.CANCELLED,)) == 150
+    engine.dispose()
+    assert counts(env) == (1, 150, 150)
 
 
 def test_a_blank_batch_name_is_refused(env, tmp_path):

@@ -112,10 +112,11 @@ def cancel(engine: Engine, connection: redis.Redis | None, batch_id: int) -> tup
             raise PolspecError(f"batch {batch_id} has finished ({batch.status}); there is nothing to cancel")
         already = batch.status == Status.CANCELLED.value
         batch.status = Status.CANCELLED.value
-        ids = list(session.scalars(select(Item.id).where(Item.batch_id == batch_id,
-                                                         Item.status == Status.QUEUED.value)))
-        session.execute(update(Item).where(Item.id.in_(ids))
-                        .values(status=Status.CANCELLED.value, finished_at=utcnow()))
+        queued = (Item.batch_id == batch_id, Item.status == Status.QUEUED.value)
+        ids = list(session.scalars(select(Item.id).where(*queued)))
+        # By the same condition, not by the ids: a list of a sweep's hundreds of thousands of ids
+        # is more than SQLite takes in one statement.
+        session.execute(update(Item).where(*queued).values(status=Status.CANCELLED.value, finished_at=utcnow()))
     if connection is not None and ids:
         db_id = database_id(engine)
         delete_jobs(connection, [job_id(db_id, item_id) for item_id in ids])

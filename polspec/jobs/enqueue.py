@@ -38,6 +38,11 @@ class Enqueued:
     existing: int
 
 
+# Ids in one statement's IN list: SQLite takes 32,766 variables a statement by default (999 before
+# 3.32), and a batch may add up to a million items.
+IDS_PER_STATEMENT = 900
+
+
 def enqueue_generate(spec: GenerateSpec, items: list[ItemInput], name: str | None = None,
                      *, db_url: str | None = None, queue_url: str | None = None) -> Enqueued:
     """Create (or extend, for an existing ``name``) a generation batch and enqueue its new items.
@@ -136,7 +141,9 @@ def _enqueue_or_undo(engine: Engine, connection: redis.Redis, queue_url: str, na
             if before is None:
                 session.execute(delete(Batch).where(Batch.id == batch_id))
             else:
-                session.execute(delete(Item).where(Item.id.in_([item_id for item_id, _ in items])))
+                ids = [item_id for item_id, _ in items]
+                for start in range(0, len(ids), IDS_PER_STATEMENT):
+                    session.execute(delete(Item).where(Item.id.in_(ids[start:start + IDS_PER_STATEMENT])))
                 if before not in UNFINISHED:
                     session.execute(update(Batch).where(Batch.id == batch_id, Batch.status == Status.QUEUED.value)
                                     .values(status=before))

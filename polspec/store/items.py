@@ -202,11 +202,10 @@ def _locked_item(session: Session, item_id: int) -> Item | None:
 def reopen_items(session: Session, batch: Batch, statuses: tuple[Status, ...]) -> list[tuple[int, int]]:
     """Mark a batch's items of these statuses queued again, reopening the batch (cancelled or
     finished) when there are any; returns them as (item id, max_tokens) for their jobs."""
-    rows = session.execute(select(Item.id, Item.params).where(
-        Item.batch_id == batch.id, Item.status.in_([status.value for status in statuses]))).all()
-    if rows:
-        session.execute(update(Item).where(Item.id.in_([row.id for row in rows]))
-                        .values(status=Status.QUEUED.value, finished_at=None))
+    chosen = (Item.batch_id == batch.id, Item.status.in_([status.value for status in statuses]))
+    rows = session.execute(select(Item.id, Item.params).where(*chosen)).all()
+    if rows:  # by the condition, not the ids: a sweep's may be more than SQLite takes in one statement
+        session.execute(update(Item).where(*chosen).values(status=Status.QUEUED.value, finished_at=None))
         batch.status = Status.RUNNING.value  # no longer cancelled: settle_batch judges it by its items
         settle_batch(session, batch)
     return [(row.id, row.params["max_tokens"]) for row in rows]
