@@ -101,8 +101,13 @@ def sweep(config_path: Path, as_json: bool) -> None:
     target-only baseline per dataset (and seed, temperature and batch size), interleaved prompt by
     prompt so machine drift hits all alike.
 
+    The file (TOML) names a target and may set: name, drafts, strategies, k, prefix, datasets,
+    limit, max_tokens, temperature or temperatures, verify, top_p, top_k, partial_word,
+    draft_vocab, seeds, repeats, batch and raw; README.md ("Evaluation sweeps") says what each
+    means.
+
     Running the same file again resumes the sweep: finished items are kept (a dataset that has
-    gained prompts since is refused: give the sweep another name).
+    gained prompts or changed texts since is refused: give the sweep another name).
     Report it with `polspec report SWEEP_ID` when the worker is done.
 
     \b

@@ -85,7 +85,9 @@ def list_command(batch_id: int | None, status: str | None, limit: int, as_json: 
 @click.option("--json", "as_json", is_flag=True, help="Everything stored, as one JSON object.")
 def show_command(batch_id: int, item_id: str, as_json: bool) -> None:
     """One item of batch BATCH_ID by ITEM_ID, the id it was enqueued with (the prompt file's "id";
-    `polspec results list --batch BATCH_ID` lists them): prompt, text, metrics, provenance.
+    in a sweep, its cell's key before it and its repeat after, e.g.
+    pl-wiki/baseline/s0/wiki-001/r0; `polspec results list --batch BATCH_ID` lists them): prompt,
+    text, metrics, provenance.
 
     \b
     Examples:
