@@ -199,6 +199,7 @@ BAD_LINES = [
     ('{"id": "a", "promt": "x"}', "p.jsonl:2: unknown key 'promt'"),
     ('{"id": "first", "prompt": "x"}', "p.jsonl:2: duplicate id 'first' (first on line 1)"),
     ('{"prompt": "x"}', "p.jsonl:2: every line needs an 'id'"),
+    ('{"id": 1.5, "prompt": "x"}', "p.jsonl:2: every line needs an 'id' (a non-empty string or a whole number)"),
     ('{"id": "a", "prompt": "x", "k": 0}', "p.jsonl:2: k must be between 1 and 16, got 0"),
     ('{"id": "a", "prompt": "x", "top_p": 1.5}', "p.jsonl:2: top_p must be in (0, 1], got 1.5"),
     ('{"id": "a", "prompt": "x", "temperature": "hot"}', "p.jsonl:2:"),

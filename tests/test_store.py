@@ -365,6 +365,14 @@ def test_a_sqlite_file_uri_is_refused_in_one_line(url: str, tmp_path: Path) -> N
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_sqlite_path_from_the_home_directory_is_taken_from_it(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path / "..")
+    result = CliRunner().invoke(main, ["db", "upgrade"], env={"POLSPEC_DB_URL": "sqlite:///~/wyniki/polspec.db"})
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "wyniki" / "polspec.db").exists() and not (tmp_path / ".." / "~").exists()
+
+
 def test_a_database_url_is_shown_as_typed_but_for_its_password() -> None:
     assert display_url("sqlite:////srv/wyniki łódź/polspec.db") == "sqlite:////srv/wyniki łódź/polspec.db"
     assert display_url("postgresql+psycopg://ala:hunter2@db-host:5433/polspec?sslmode=require") == \

@@ -191,7 +191,7 @@ def parse_item(data: Any, where: str, base: DecodingParams) -> ItemInput:
         raise PolspecError(f"{where}: unknown key {unknown[0]!r} (allowed: {', '.join(ITEM_KEYS)})")
     key = data.get("id")
     if isinstance(key, bool) or not isinstance(key, str | int) or not str(key).strip():
-        raise PolspecError(f"{where}: every line needs an 'id' (a non-empty string or a number)")
+        raise PolspecError(f"{where}: every line needs an 'id' (a non-empty string or a whole number)")
     try:
         check_text(str(key), "the id")
     except PolspecError as error:

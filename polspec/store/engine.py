@@ -145,6 +145,9 @@ def parse_url(url: str | URL | None = None) -> URL:
     except (ArgumentError, ValueError) as error:  # ValueError: a port that is no number
         where = "" if url is not None else " (POLSPEC_DB_URL)"
         raise PolspecError(f"not a database URL{where}: {error}") from error
+    if parsed.get_backend_name() == "sqlite" and (parsed.database or "").startswith("~"):
+        # sqlite:///~/wyniki.db means the home directory, as in a shell, not a folder named "~"
+        parsed = parsed.set(database=str(Path(parsed.database).expanduser()))
     # A bare postgresql:// means psycopg2 to SQLAlchemy; polspec ships psycopg 3.
     return parsed.set(drivername="postgresql+psycopg") if parsed.drivername == "postgresql" else parsed
 
