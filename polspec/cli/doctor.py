@@ -90,6 +90,7 @@ def collect() -> dict:
 
     info = backend.setup()
     meter = detect_meter()
+    db_url = database_url()
     return {
         "platform": f"{platform.system()} {platform.release()} {platform.machine()}",
         "python": sys.version.split()[0],
@@ -101,9 +102,9 @@ def collect() -> dict:
         "matmul_gflops_f32": round(backend.measure_matmul_gflops(), 1),
         "memory_bandwidth_gbps": round(backend.measure_memory_bandwidth(), 1),
         "home": str(polspec_home()),
-        "settings": _settings_report(database_url().startswith("sqlite")),
+        "settings": _settings_report(db_url.startswith("sqlite")),
         "redis": _redis_report(redis_url()),
-        "database": _database_report(database_url()),
+        "database": _database_report(db_url),
         "energy": {"meter": meter.name, "available": meter.name is not None, "reason": meter.reason},
     }
 

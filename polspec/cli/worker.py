@@ -82,7 +82,9 @@ def worker(batch: int | None, burst: bool, queues: tuple[str, ...], log_level: s
 def _logs_on_stderr(level: str) -> Iterator[None]:
     """polspec's own log records (``polspec.*``) on stderr at ``level`` while the block runs, as
     RQ shows its own. Without a handler Python prints only warnings, bare, and drops the INFO
-    steps (a first fetch's progress) that ``--log-level INFO`` asks for."""
+    steps (a first fetch's progress) that ``--log-level INFO`` asks for. Not RQ's
+    ``setup_loghandlers``: it sends all but errors to stdout, stops propagation (a test's log
+    capture sees nothing) and stays installed on a stream that may be closed after the run."""
     logger = logging.getLogger("polspec")
     handler = logging.StreamHandler()  # sys.stderr as it is now (a test runner swaps it)
     handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
