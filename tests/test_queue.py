@@ -300,6 +300,24 @@ def test_recover_gives_jobs_queued_under_the_old_function_path_a_current_one(env
     assert "nothing to recover" in cli(env, "recover")[1]
 
 
+def test_recover_tells_a_job_out_of_its_queue_an_unreadable_one_and_an_ended_one_from_a_waiting_one(env):
+    cli(env, "enqueue", "generate", "--dataset", "pl-short", "--limit", "4", "--target", "smollm2-135m")
+    connection = redis.Redis.from_url(env["POLSPEC_REDIS_URL"])
+    queue = Queue(queue_name("smollm2-135m"), connection=connection, serializer=JSONSerializer)
+    out_of_queue, unreadable, ended, waiting = ids = queue.get_job_ids()
+    connection.lrem(queue.key, 0, out_of_queue)
+    connection.hset(Job.key_for(unreadable), "data", b"not a job")
+    connection.lrem(queue.key, 0, ended)
+    connection.hset(Job.key_for(ended), "status", JobStatus.FINISHED.value)
+    code, output = cli(env, "recover")
+    assert code == 0 and ("re-enqueued 3 items (1 job not in its queue, 1 job unreadable, 1 job finished)"
+                          in output), output
+    # each item once, the one left waiting where it was, the rest after it in enqueue order
+    assert queue.get_job_ids() == [waiting, out_of_queue, unreadable, ended]
+    assert {job.func_name for job in queue.get_jobs()} == {JOB_FUNCTION}
+    assert "nothing to recover" in cli(env, "recover")[1]
+
+
 @pytest.mark.slow
 def test_a_job_queued_under_the_old_function_path_still_runs(env):
     cli(env, "enqueue", "generate", "--dataset", "pl-short", "--limit", "1", "--target", "smollm2-135m",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 
 from polspec.errors import PolspecError
 
@@ -121,7 +121,9 @@ class DecodingParams:
         return "tli"
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        # Not dataclasses.asdict: every field is a scalar, and its deep copy took most of the
+        # time of expanding a sweep of 345,000 items.
+        return {field.name: getattr(self, field.name) for field in fields(self)}
 
 
 def is_whole_number(value: object) -> bool:

@@ -6,9 +6,9 @@ re-enqueues those whose job cannot finish on its own:
 
 - a *running* item whose worker is gone (dead pid on this host, or a lease that ran out) goes
   back to queued and gets a fresh job;
-- a *queued* item gets a fresh job when its job is missing, already ended, not in its queue, or
-  names another function than :data:`~polspec.jobs.queue.JOB_FUNCTION` (queued by an older
-  polspec, before the job function moved).
+- a *queued* item gets a fresh job when its job is missing, already ended, not in its queue,
+  unreadable, or names another function than :data:`~polspec.jobs.queue.JOB_FUNCTION` (queued
+  by an older polspec, before the job function moved).
 
 Items of cancelled batches are left alone. Re-enqueueing replaces the item's job (the job id is
 deterministic), so running recover twice never delivers an item twice.
@@ -24,7 +24,8 @@ from rq.job import JobStatus
 from sqlalchemy import Engine, select, update
 
 from polspec.errors import PolspecError
-from polspec.jobs.queue import JOB_FUNCTION, delete_jobs, enqueue_items, fetch_jobs, job_id, make_queue, queue_name
+from polspec.jobs.queue import (JOB_FUNCTION, delete_jobs, enqueue_items, job_id, job_states, make_queue,
+                               queue_name)
 from polspec.store.engine import session_scope
 from polspec.store.items import DEFAULT_LEASE_S, Worker, database_id, owner_gone, reopen_items
 from polspec.store.queries import find_batch
@@ -50,43 +51,47 @@ def recover(engine: Engine, connection: redis.Redis, batch_id: int | None = None
     me = me or Worker.this_process()
     db_id = database_id(engine)
     now = utcnow()
-    query = (select(Item, Batch.spec).join(Batch)
-             .where(Item.status.in_([Status.QUEUED.value, Status.RUNNING.value]),
-                    Batch.status != Status.CANCELLED.value)
-             .order_by(Item.id))  # enqueue order: a sweep's items were written drift-fair
-    if batch_id is not None:
-        query = query.where(Item.batch_id == batch_id)
+    # Queued items as three columns, not whole rows: a resumed sweep may have hundreds of
+    # thousands, and loading them as objects (prompts, the batch's spec once per item) cost
+    # a minute and gigabytes. Running items, a few per worker, are read whole for owner_gone.
+    live = [Batch.status != Status.CANCELLED.value] + ([Item.batch_id == batch_id] if batch_id is not None else [])
     with session_scope(engine) as session:
-        rows = session.execute(query).all()
-    jobs = fetch_jobs(connection, [job_id(db_id, item.id) for item, _ in rows])
+        queued = session.execute(select(Item.id, Item.batch_id, Item.params["max_tokens"].as_integer()).join(Batch)
+                                 .where(Item.status == Status.QUEUED.value, *live)).all()
+        running = session.scalars(select(Item).join(Batch).where(Item.status == Status.RUNNING.value, *live)).all()
+        targets = select(Batch.id, Batch.spec["target"].as_string()).where(Batch.status != Status.CANCELLED.value)
+        if batch_id is not None:
+            targets = targets.where(Batch.id == batch_id)
+        queues = {batch: queue_name(target) for batch, target in session.execute(targets)}
+    jobs = job_states(connection, [job_id(db_id, item_id) for item_id, _, _ in queued])
     waiting_ids: dict[str, set[str]] = {}
     report = Requeued()
     to_enqueue: dict[str, list[tuple[int, int]]] = defaultdict(list)
-    for item, spec in rows:
-        name = queue_name(spec["target"])
-        job = jobs[job_id(db_id, item.id)]
-        if item.status == Status.RUNNING.value:
-            if not owner_gone(item, me, now, lease_s) or not _requeue_abandoned(engine, item):
-                continue
-            reason = "worker gone"
-        elif job is None:
+    for item in running:
+        if owner_gone(item, me, now, lease_s) and _requeue_abandoned(engine, item):
+            report.reasons["worker gone"] += 1
+            to_enqueue[queues[item.batch_id]].append((item.id, item.params["max_tokens"]))
+    for item_id, item_batch, max_tokens in queued:
+        name = queues[item_batch]
+        job = jobs[job_id(db_id, item_id)]
+        if job is None:
             reason = "job missing"
-        elif job.get_status(refresh=False) in _WAITING and job.func_name != JOB_FUNCTION:
-            reason = "job of an older polspec"
-        elif job.get_status(refresh=False) in _WAITING:
+        elif job.status in _WAITING and job.func_name != JOB_FUNCTION:
+            reason = "job of an older polspec" if job.func_name else "job unreadable"
+        elif job.status in _WAITING:
             if name not in waiting_ids:
                 waiting_ids[name] = set(make_queue(connection, name).get_job_ids())
-            if job.id in waiting_ids[name]:
+            if job_id(db_id, item_id) in waiting_ids[name]:
                 continue
             reason = "job not in its queue"
-        elif job.get_status(refresh=False) == JobStatus.STARTED:
+        elif job.status == JobStatus.STARTED:
             continue  # claimed by a worker any moment now, or abandoned: RQ retries or fails it
         else:
-            reason = f"job {JobStatus(job.get_status(refresh=False)).value}"
+            reason = f"job {job.status.value}" if job.status else "job without a status"
         report.reasons[reason] += 1
-        to_enqueue[name].append((item.id, item.params["max_tokens"]))
+        to_enqueue[name].append((item_id, max_tokens))
     for name, items in to_enqueue.items():
-        enqueue_items(connection, name, db_id, items)
+        enqueue_items(connection, name, db_id, sorted(items))  # by id, the enqueue order: a sweep's is drift-fair
     return report
 
 

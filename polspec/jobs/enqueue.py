@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import redis
-from sqlalchemy import Engine, delete, func, select, update
+from sqlalchemy import Engine, delete, func, insert, select, update
 from sqlalchemy.orm import Session
 
 from polspec.errors import PolspecError
@@ -234,9 +234,10 @@ def _write_sweep(session: Session, plan: SweepPlan) -> tuple[int, list[tuple[int
              for cell in plan.cells}
     session.add_all(cells.values())
     session.flush()
-    rows = [Item(batch_id=batch.id, cell_id=cells[item.cell].id, item_key=item.key, prompt_key=item.prompt_key,
-                 repeat=item.repeat, prompt=item.item.prompt, messages=item.item.messages,
-                 params=item.item.overrides) for item in plan.items]
-    session.add_all(rows)
-    session.flush()
-    return batch.id, [(row.id, row.params["max_tokens"]) for row in rows]
+    # One bulk INSERT ... RETURNING, not an Item object per row: a sweep may have a million
+    # items, and building and flushing objects took most of a large enqueue.
+    ids = session.scalars(insert(Item).returning(Item.id, sort_by_parameter_order=True), [
+        {"batch_id": batch.id, "cell_id": cells[item.cell].id, "item_key": item.key, "prompt_key": item.prompt_key,
+         "repeat": item.repeat, "prompt": item.item.prompt, "messages": item.item.messages,
+         "params": item.item.overrides} for item in plan.items]).all()
+    return batch.id, [(item_id, item.item.overrides["max_tokens"]) for item_id, item in zip(ids, plan.items, strict=True)]

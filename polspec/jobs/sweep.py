@@ -176,12 +176,13 @@ def expand_sweep(config: dict[str, Any], source: str, folder: Path | None = None
     chunk = max(grid["batch"])
     for dataset, _ in datasets:
         runs = list(product(prompts[dataset], range(repeats)))
+        params = {cell.key: cell.params.as_dict() for cell in per_dataset[dataset]}
         for start in range(0, len(runs), chunk):
             for cell in per_dataset[dataset]:
                 for item, repeat in runs[start:start + chunk]:
                     key = f"{cell.key}/{item.key}/r{repeat}"
                     plan.items.append(ItemPlan(cell.key, key, item.key, repeat,
-                                               ItemInput(key, item.prompt, item.messages, cell.params.as_dict())))
+                                               ItemInput(key, item.prompt, item.messages, dict(params[cell.key]))))
     return plan
 
 

@@ -1,0 +1,122 @@
+"""What enqueueing and resuming a large sweep costs: wall time and peak memory of the command.
+
+    .venv/bin/python bench/sweep_enqueue.py --prompts 11130 --markdown      # 345,030 items, about 4 minutes
+    .venv/bin/python bench/sweep_enqueue.py --prompts 11130 --checkouts /tmp/old,.   # two versions side by side
+
+A dataset of ``--prompts`` prompts goes into a sweep of 31 cells (two drafts, three strategies,
+five values of k, and the baseline), so that the sweep has 31 items per prompt. For each
+checkout, in turn, on a private ``redis-server`` and a fresh SQLite file: ``polspec enqueue
+sweep`` writes and enqueues it (first), then the same command again finds it and resumes it
+(resume: nothing to do but check that every item has its job). Each command runs as its own
+process, from that checkout's source, so that its peak memory is its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+# Run as a child process: the CLI, then its own peak memory (ru_maxrss, KiB on Linux) on stderr.
+RUN_CLI = ("import resource, sys\nfrom polspec.cli import main\ntry:\n    main(sys.argv[1:])\nfinally:\n"
+           "    print('maxrss', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)")
+SWEEP = """name = "large"
+target = "gemma3-270m"
+drafts = ["smollm2-135m", "gemma3-270m"]
+strategies = ["naive", "context", "aligned"]
+k = [1, 2, 3, 4, 6]
+datasets = ["prompts.jsonl"]
+max_tokens = 16
+raw = true
+"""
+CELLS = 31
+
+
+def machine_description() -> dict[str, str]:
+    """The machine table of bench/backend.py."""
+    spec = importlib.util.spec_from_file_location("bench_backend", HERE / "backend.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.machine_description()
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def run_enqueue(checkout: Path, folder: Path, env: dict[str, str]) -> dict:
+    """One ``polspec enqueue sweep``: its wall time and peak memory."""
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", RUN_CLI, "enqueue", "sweep", "--config", str(folder / "sweep.toml"),
+                           "--json"], env=env | {"PYTHONPATH": str(checkout)}, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if done.returncode:
+        raise SystemExit(f"{checkout}: polspec enqueue sweep failed: {done.stderr.strip()}")
+    report = json.loads(done.stdout)
+    peak_kib = int(next(line.split()[1] for line in done.stderr.splitlines() if line.startswith("maxrss")))
+    return {"wall_s": wall, "peak_mb": peak_kib * 1024 / 1e6, "items": report["items"],
+            "enqueued": report["enqueued"], "resumed": report["resumed"]}
+
+
+def bench_checkout(checkout: Path, prompts: int, scratch: Path, url: str) -> dict:
+    from polspec.jobs.local_redis import redis_available
+
+    folder = scratch / checkout.resolve().name
+    folder.mkdir()
+    (folder / "sweep.toml").write_text(SWEEP)
+    with open(folder / "prompts.jsonl", "w") as lines:
+        for index in range(prompts):
+            lines.write(json.dumps({"id": f"p{index}", "prompt": f"Napisz krótki tekst o mieście numer {index}."},
+                                   ensure_ascii=False) + "\n")
+    env = os.environ | {"POLSPEC_DB_URL": f"sqlite:///{folder / 'sweep.db'}", "POLSPEC_REDIS_URL": url}
+    with redis_available(url):
+        first = run_enqueue(checkout, folder, env)
+        resume = run_enqueue(checkout, folder, env)
+    assert first["items"] == resume["items"] == prompts * CELLS and first["enqueued"] == first["items"]
+    assert resume["resumed"] and resume["enqueued"] == 0, resume
+    commit = subprocess.run(["git", "-C", str(checkout), "describe", "--always", "--dirty"],
+                            capture_output=True, text=True).stdout.strip()
+    row = {"checkout": str(checkout), "commit": commit, "items": first["items"], "first": first, "resume": resume}
+    print(f"{checkout} ({commit}): {row}", file=sys.stderr)
+    return row
+
+
+def markdown(machine: dict, rows: list[dict]) -> str:
+    return "\n".join(["| machine | |", "|---|---|", *(f"| {key} | {value} |" for key, value in machine.items()), "",
+                      "| commit | items | enqueue: wall | peak memory | resume: wall | peak memory |",
+                      "|---|---|---|---|---|---|",
+                      *(f"| {row['commit']} | {row['items']:,} | {row['first']['wall_s']:.1f} s | "
+                        f"{row['first']['peak_mb']:,.0f} MB | {row['resume']['wall_s']:.1f} s | "
+                        f"{row['resume']['peak_mb']:,.0f} MB |" for row in rows)])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompts", type=int, default=11_130, help="Prompts in the dataset (31 items each).")
+    parser.add_argument("--checkouts", default=str(HERE.parent),
+                        help="Comma-separated polspec checkouts to run in turn (default: this one).")
+    parser.add_argument("--markdown", action="store_true")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as scratch:
+        # Each checkout gets its own Redis server and database; the model cache is the real one.
+        rows = [bench_checkout(Path(checkout).resolve(), args.prompts, Path(scratch),
+                               f"redis://127.0.0.1:{free_port()}/0")
+                for checkout in args.checkouts.split(",")]
+    if args.markdown:
+        print(markdown(machine_description(), rows))
+    else:
+        print(json.dumps({"machine": machine_description(), "runs": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
