@@ -190,9 +190,10 @@ def main() -> None:
     parser.add_argument("--markdown", action="store_true")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
-        # The real model cache stays where it is; the database and Redis data are private.
+        # The real model cache stays where it is; the database and Redis data are private (a
+        # server started on the cache's Redis data would load every queue left there).
         url = f"redis://127.0.0.1:{free_port()}/0"
-        with redis_available(url):
+        with redis_available(url, data=Path(scratch) / "redis"):
             os.environ["POLSPEC_DB_URL"] = f"sqlite:///{Path(scratch) / 'enqueue.db'}"
             enqueue = bench_enqueue(args.items, url)
             # A fresh database and queue: the worker would otherwise (rightly) recover and run

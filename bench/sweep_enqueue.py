@@ -25,9 +25,19 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-# Run as a child process: the CLI, then its own peak memory (ru_maxrss, KiB on Linux) on stderr.
-RUN_CLI = ("import resource, sys\nfrom polspec.cli import main\ntry:\n    main(sys.argv[1:])\nfinally:\n"
-           "    print('maxrss', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)")
+# Run as a child process, outside any checkout: the CLI of the checkout on PYTHONPATH, then its own
+# peak memory (ru_maxrss) on stderr. An editable install's finder would import this
+# checkout's polspec whatever the path says, so it is set aside.
+RUN_CLI = """import resource, sys
+sys.meta_path[:] = [finder for finder in sys.meta_path if not getattr(finder, "__module__", "").startswith("__editable__")]
+import polspec
+from polspec.cli import main
+print("source", polspec.__file__, file=sys.stderr)
+try:
+    main(sys.argv[1:])
+finally:
+    print("maxrss", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)
+"""
 SWEEP = """name = "large"
 target = "gemma3-270m"
 drafts = ["smollm2-135m", "gemma3-270m"]
@@ -58,12 +68,15 @@ def run_enqueue(checkout: Path, folder: Path, env: dict[str, str]) -> dict:
     """One ``polspec enqueue sweep``: its wall time and peak memory."""
     start = time.perf_counter()
     done = subprocess.run([sys.executable, "-c", RUN_CLI, "enqueue", "sweep", "--config", str(folder / "sweep.toml"),
-                           "--json"], env=env | {"PYTHONPATH": str(checkout)}, capture_output=True, text=True)
+                           "--json"], env=env | {"PYTHONPATH": str(checkout)}, cwd=folder, capture_output=True, text=True)
     wall = time.perf_counter() - start
     if done.returncode:
         raise SystemExit(f"{checkout}: polspec enqueue sweep failed: {done.stderr.strip()}")
     report = json.loads(done.stdout)
-    peak_kib = int(next(line.split()[1] for line in done.stderr.splitlines() if line.startswith("maxrss")))
+    peak = int(next(line.split()[1] for line in done.stderr.splitlines() if line.startswith("maxrss")))
+    peak_kib = peak / 1024 if sys.platform == "darwin" else peak  # macOS counts bytes
+    source = next(line.split()[1] for line in done.stderr.splitlines() if line.startswith("source"))
+    assert source.startswith(str(checkout)), f"{checkout}: ran polspec from {source}"
     return {"wall_s": wall, "peak_mb": peak_kib * 1024 / 1e6, "items": report["items"],
             "enqueued": report["enqueued"], "resumed": report["resumed"]}
 
@@ -79,7 +92,7 @@ def bench_checkout(checkout: Path, prompts: int, scratch: Path, url: str) -> dic
             lines.write(json.dumps({"id": f"p{index}", "prompt": f"Napisz krótki tekst o mieście numer {index}."},
                                    ensure_ascii=False) + "\n")
     env = os.environ | {"POLSPEC_DB_URL": f"sqlite:///{folder / 'sweep.db'}", "POLSPEC_REDIS_URL": url}
-    with redis_available(url):
+    with redis_available(url, data=folder / "redis"):
         first = run_enqueue(checkout, folder, env)
         resume = run_enqueue(checkout, folder, env)
     assert first["items"] == resume["items"] == prompts * CELLS and first["enqueued"] == first["items"]

@@ -6,9 +6,11 @@ import codecs
 import dataclasses
 import json
 from datetime import UTC, datetime, timedelta
+import re
 import signal
 import statistics
 import sys
+import tomllib
 from pathlib import Path
 
 import click
@@ -212,6 +214,22 @@ def test_temperature_and_temperatures_together_is_one_line(tmp_path):
 def test_bad_configs_name_the_key(changes, message):
     with pytest.raises(PolspecError, match=message.replace("(", r"\(").replace(")", r"\)")):
         expand_sweep(config(**changes), "test.toml")
+
+
+def test_the_printed_example_is_a_sweep_that_expands_and_the_repository_example(tmp_path):
+    result = CliRunner().invoke(main, ["enqueue", "sweep", "--example"])
+    assert result.exit_code == 0
+    assert result.output == (Path(__file__).parent.parent / "examples" / "sweep-offline.toml").read_text()
+    plan = expand_sweep(tomllib.loads(result.output), "example.toml")
+    assert plan.name == "offline" and len(plan.cells) > 1 and plan.items
+
+
+def test_one_file_under_two_spellings_is_one_dataset_listed_twice(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "mine.jsonl").write_text('{"id": "a", "prompt": "Kraków leży"}\n')
+    for spelling in ("./mine.jsonl", "sub/../mine.jsonl", str(tmp_path / "mine.jsonl")):
+        with pytest.raises(PolspecError, match=re.escape(f"'datasets' lists {spelling!r} twice (as 'mine.jsonl' too)")):
+            expand_sweep(config(datasets=["mine.jsonl", spelling]), "test.toml", tmp_path)
 
 
 def test_not_toml_is_one_line(tmp_path):

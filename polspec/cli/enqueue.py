@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from importlib import resources
 from pathlib import Path
 
 import click
@@ -91,10 +92,18 @@ def _read_lines(path: str) -> list[bytes]:
         raise PolspecError(f"{path}: {error.strerror}") from None
 
 
+def _print_example(ctx: click.Context, param: click.Parameter, value: bool) -> None:
+    if value:
+        click.echo(resources.files("polspec.data").joinpath("sweep-offline.toml").read_text(encoding="utf-8"), nl=False)
+        ctx.exit()
+
+
 @enqueue.command("sweep")
 @click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False, path_type=Path),
               callback=a_path,
-              help="The sweep file (TOML); examples/sweep-offline.toml is one to start from.")
+              help="The sweep file (TOML); polspec enqueue sweep --example prints one to start from.")
+@click.option("--example", is_flag=True, is_eager=True, expose_value=False, callback=_print_example,
+              help="Print a sweep file that runs on any machine (the offline models), and exit.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object: batch, name, queue, cells, items, enqueued, done, resumed.")
 def sweep(config_path: Path, as_json: bool) -> None:
     """Queue an evaluation sweep: every draft, strategy, k and prefix on every dataset, plus a
@@ -112,7 +121,8 @@ def sweep(config_path: Path, as_json: bool) -> None:
 
     \b
     Example:
-      polspec enqueue sweep --config examples/sweep-offline.toml
+      polspec enqueue sweep --example > sweep.toml
+      polspec enqueue sweep --config sweep.toml
     """
     from polspec.jobs.enqueue import enqueue_sweep
     from polspec.jobs.sweep import load_sweep

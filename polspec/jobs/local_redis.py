@@ -11,6 +11,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import redis
@@ -23,8 +24,9 @@ START_TIMEOUT_S = 10.0
 
 
 @contextmanager
-def redis_available(url: str | None = None) -> Iterator[bool]:
-    """Yield with Redis reachable at ``url``; True when it had to be started here (and is stopped after).
+def redis_available(url: str | None = None, data: Path | None = None) -> Iterator[bool]:
+    """Yield with Redis reachable at ``url``; True when it had to be started here (and is stopped after),
+    keeping its data in ``data`` (default ``$POLSPEC_HOME/redis``, where the queue outlives the command).
 
     Only a loopback URL is started locally: a remote one that does not answer is an error.
     """
@@ -39,7 +41,7 @@ def redis_available(url: str | None = None) -> Iterator[bool]:
     else:
         yield False
         return
-    server = _start(parts.port or 6379, url)
+    server = _start(parts.port or 6379, url, data or polspec_home() / "redis")
     try:
         yield True
     finally:
@@ -47,12 +49,11 @@ def redis_available(url: str | None = None) -> Iterator[bool]:
         server.wait(timeout=30)
 
 
-def _start(port: int, url: str) -> subprocess.Popen:
+def _start(port: int, url: str, data: Path) -> subprocess.Popen:
     binary = shutil.which("redis-server")
     if binary is None:
         raise PolspecError(f"no Redis at {display_redis_url(url)} and redis-server is not installed "
                            "(scripts/setup installs it)")
-    data = polspec_home() / "redis"
     data.mkdir(parents=True, exist_ok=True)
     server = subprocess.Popen(
         [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data), "--appendonly", "yes",

@@ -136,7 +136,7 @@ def expand_sweep(config: dict[str, Any], source: str, folder: Path | None = None
         raise PolspecError(f"{source}: 'name' must be some text on one line (or be left out), got {sweep_name!r}")
     grid = {key: _list(config, key, source) for key in GRID_KEYS if key != "datasets"}
     _check_aliases(config["target"], grid["drafts"], source)
-    datasets = _datasets(config, source)
+    datasets = _datasets(config, source, folder)
     temperatures, verifies = _temperatures(config, source), _verifies(config, source)
     repeats = _at_least_one(config.get("repeats", 1), "'repeats'", source)
     for size in grid["batch"]:
@@ -276,7 +276,7 @@ def _at_least_one(value: object, where: str, source: str) -> int | None:
     return value
 
 
-def _datasets(config: dict[str, Any], source: str) -> list[tuple[str, int | None]]:
+def _datasets(config: dict[str, Any], source: str, folder: Path | None) -> list[tuple[str, int | None]]:
     default = _at_least_one(config.get("limit"), "'limit'", source)
     chosen: list[tuple[str, int | None]] = []
     for entry in _list(config, "datasets", source):
@@ -290,9 +290,20 @@ def _datasets(config: dict[str, Any], source: str) -> list[tuple[str, int | None
             chosen.append((entry["name"], limit))
         else:
             raise PolspecError(f"{source}: 'datasets' entries are names or {{ name = ..., limit = ... }} tables")
-        if chosen[-1][0] in (name for name, _ in chosen[:-1]):
-            raise PolspecError(f"{source}: 'datasets' lists {chosen[-1][0]!r} twice")
+        same = next((name for name, _ in chosen[:-1]
+                     if _dataset_file(name, folder) == _dataset_file(chosen[-1][0], folder)), None)
+        if same is not None:  # under two spellings, one file would run twice
+            also = f" (as {same!r} too)" if same != chosen[-1][0] else ""
+            raise PolspecError(f"{source}: 'datasets' lists {chosen[-1][0]!r} twice{also}")
     return chosen
+
+
+def _dataset_file(name: str, folder: Path | None) -> str | Path:
+    """What a dataset entry reads: a JSONL file's path, as load_dataset resolves it, else the name."""
+    if not name.endswith(".jsonl") or name.startswith("hf:"):
+        return name
+    path = Path(name).expanduser()
+    return (folder / path if folder is not None and not path.is_absolute() else path).resolve()
 
 
 def _params(config: dict[str, Any], source: str, **grid_point) -> DecodingParams:
