@@ -8,6 +8,7 @@ import json
 from datetime import UTC, datetime, timedelta
 import re
 import signal
+import sqlite3
 import statistics
 import sys
 import tomllib
@@ -17,7 +18,7 @@ import click
 import pytest
 import redis
 from click.testing import CliRunner
-from sqlalchemy import select, update
+from sqlalchemy import event, select, update
 
 from polspec.cli import main
 from polspec.decoding.costmodel import BatchCost, Probe, break_even_acceptance, predicted_speedup, predicted_speedup_of_rounds
@@ -30,7 +31,7 @@ from polspec.jobs import sweep as sweep_module
 from polspec.jobs.sweep import expand_sweep, load_sweep
 from polspec.report.render import markdown
 from polspec.report.summary import (CellKey, Pair, Row, SweepReport, Window, cell_row, joules_per_token, mean_interval,
-                                    predicted_speedup_of_cell)
+                                    predicted_speedup_of_cell, sweep_report)
 from polspec.report.summary import headline as summary_headline
 from polspec.store.engine import make_engine, session_scope
 from polspec.store.migrate import upgrade
@@ -548,11 +549,19 @@ def test_a_cell_decoded_in_batches_has_the_energy_of_its_windows_where_they_hold
                 session.add(result)
                 item.status = "done"
     engine.dispose()
-    code, output = cli(env, "report", str(json.loads(output)["batch"]), "--format", "json")
+    batch = json.loads(output)["batch"]
+    code, output = cli(env, "report", str(batch), "--format", "json")
     assert code == 0, output
     rows = {(row["strategy"], int(row["k"])): row["joules_per_token"] for row in json.loads(output.splitlines()[0])["rows"]}
     assert rows == {("aligned", 1): pytest.approx(0.2), ("aligned", 2): pytest.approx(0.3), ("naive", 1): None,
                     ("naive", 2): pytest.approx(0.3)}
+    # Five windows where SQLite takes four variables a statement: as a batched sweep of
+    # hundreds of thousands of items meets its limit, in a test's time.
+    engine = make_engine(env["POLSPEC_DB_URL"])
+    event.listen(engine, "connect", lambda connection, _: connection.setlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER, 4))
+    report = sweep_report(engine, batch)
+    engine.dispose()
+    assert {(row.strategy, int(row.k)): row.joules_per_token for row in report.rows} == rows
     # A window that never ended, or one another cell's items shared, gives no joules either.
     results = [hand_result(1, 1.0)]
     results[0].energy_window_id = 7

@@ -34,7 +34,7 @@ import statistics
 from collections import defaultdict
 from dataclasses import asdict, dataclass
 from datetime import datetime
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from sqlalchemy import Engine, func, select
 
@@ -42,13 +42,23 @@ from polspec.decoding.costmodel import PROBE_FORMAT, Probe, break_even_acceptanc
 from polspec.decoding.probe_files import load_probe
 from polspec.errors import PolspecError
 from polspec.store.engine import session_scope
-from polspec.store.queries import busy_seconds, decoding_start
+from polspec.store.queries import busy_seconds, decoding_start, seconds_before_decoding
 from polspec.store.schema import Batch, Cell, EnergyWindow, Item, Result, Status
 
 # Two-sided 95% quantiles of Student's t for 1..30 degrees of freedom; the normal 1.96 beyond.
 _T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
         2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
         2.045, 2.042)
+
+
+class Measured(Protocol):
+    """What a report reads of a result: a stored :class:`Result`, or a row of those columns."""
+
+    metrics: dict[str, Any]
+    decode_tokens_per_s: float
+    generated_tokens: int
+    energy_joules: float | None
+    energy_window_id: int | None
 
 
 class Window(NamedTuple):
@@ -60,7 +70,7 @@ class Window(NamedTuple):
     sequences: int
 
 
-def joules_per_token(results: list[Result], windows: dict[int, Window] | None = None) -> float | None:
+def joules_per_token(results: list[Measured], windows: dict[int, Window] | None = None) -> float | None:
     """Joules per generated token over ``results``, or None where that is not a measurement.
 
     A result counts with its own joules (it decoded alone), or else with the whole of the
@@ -244,30 +254,41 @@ def sweep_report(engine: Engine, batch_id: int) -> SweepReport:
         if batch.kind != "sweep":
             raise PolspecError(f"batch {batch_id} is a {batch.kind} batch, not a sweep: polspec results list "
                                f"--batch {batch_id} shows its items")
-        rows = session.execute(select(Cell, Item, Result).join(Item, Item.cell_id == Cell.id)
-                               .join(Result, Result.item_id == Item.id).where(Cell.batch_id == batch_id)).all()
+        cells = {cell.id: cell for cell in session.scalars(select(Cell).where(Cell.batch_id == batch_id))}
+        # Columns, not objects: a sweep may have hundreds of thousands of results, and loading
+        # them whole (texts, token ids, prompts, version records) took a minute and gigabytes.
+        # Each row is both the item's part and the result's part a report reads (a Measured).
+        rows = session.execute(
+            select(Item.cell_id, Item.prompt_key, Item.repeat, Item.worker_host, Item.worker_pid, Item.started_at,
+                   Item.finished_at, seconds_before_decoding().label("waited_s"), Result.metrics,
+                   Result.decode_tokens_per_s, Result.generated_tokens, Result.energy_joules, Result.energy_window_id)
+            .join(Result, Result.item_id == Item.id).where(Item.batch_id == batch_id, Item.cell_id.is_not(None))).all()
         name, target, status, spec = batch.name, batch.spec["target"], batch.status, batch.spec
         counts = dict(session.execute(select(Item.status, func.count()).where(Item.batch_id == batch_id)
                                       .group_by(Item.status)).all())
-        window_ids = {result.energy_window_id for _, _, result in rows} - {None}
+        # By a subquery, not a list of ids: a batched sweep's windows may be more than SQLite
+        # takes variables in one statement.
+        in_sweep = select(Result.energy_window_id).join(Item, Result.item_id == Item.id).where(Item.batch_id == batch_id)
         windows = {window.id: Window(window.energy_joules, window.generated_tokens, window.sequences) for window in
-                   session.scalars(select(EnergyWindow).where(EnergyWindow.id.in_(window_ids)))}
+                   session.scalars(select(EnergyWindow).where(EnergyWindow.id.in_(in_sweep)))}
     scalar = _sweep_params(spec)
     baseline: dict[Pair, float] = {}
     baseline_runs: dict[Pair, tuple] = {}
     speculative_runs: list[tuple[Pair, tuple]] = []
-    groups: dict[CellKey, list[tuple[Pair, Result]]] = defaultdict(list)
+    groups: dict[CellKey, list[tuple[Pair, Measured]]] = defaultdict(list)
     spans: dict[tuple, list[tuple[Any, Any, int]]] = defaultdict(list)  # per cell: (start, end, tokens)
-    for cell, item, result in rows:
+    # Cells of older sweeps lack the keys they did not vary.
+    configs = {cell.id: scalar | cell.config for cell in cells.values()}
+    for row in rows:
+        cell, config, item, result = cells[row.cell_id], configs[row.cell_id], row, row
         run = (item.worker_host, item.worker_pid)
-        config = scalar | cell.config  # cells of older sweeps lack the keys they did not vary
         batch_size, temperature = config["batch"], float(config["temperature"])
         pair = Pair(config["dataset"], config["seed"], batch_size, item.prompt_key, item.repeat, temperature)
         key = (CellKey(config["dataset"], config["draft"], config["strategy"], str(config["k"]), config["prefix"],
                        batch_size, temperature, config["verify"])
                if not cell.baseline else (config["dataset"], None, batch_size, temperature))
         if item.started_at is not None and item.finished_at is not None:
-            start = decoding_start(item.started_at, item.finished_at, result.timings)
+            start = decoding_start(item.started_at, item.finished_at, row.waited_s)
             spans[key].append((start, item.finished_at, result.generated_tokens))
         if cell.baseline:
             baseline[pair], baseline_runs[pair] = result.decode_tokens_per_s, run
@@ -298,7 +319,7 @@ def _aggregate(spans: list[tuple[Any, Any, int]]) -> float | None:
     return sum(tokens for _, _, tokens in spans) / busy if busy > 0 else None
 
 
-def cell_row(key: CellKey, members: list[tuple[Pair, Result]], baseline: dict[Pair, float], probe: Probe | None,
+def cell_row(key: CellKey, members: list[tuple[Pair, Measured]], baseline: dict[Pair, float], probe: Probe | None,
              aggregate: float | None = None, baseline_aggregate: float | None = None,
              windows: dict[int, Window] | None = None) -> Row:
     """The row of ``key`` from its results, each with its pair, the baseline tokens/s of each
@@ -358,7 +379,7 @@ def _k_used(k: str, metrics: list[dict]) -> int:
     return max(1, round(_total(metrics, "draft_tokens") / speculative)) if speculative else 0
 
 
-def predicted_speedup_of_cell(k: str, members: list[tuple[Pair, Result]], fallback: Probe | None,
+def predicted_speedup_of_cell(k: str, members: list[tuple[Pair, Measured]], fallback: Probe | None,
                               batch: int = 1) -> float | None:
     """The cost model's speedup for a cell's results, decoded ``batch`` sequences at a time, each
     predicted with the probe its worker recorded (the machine that ran it) or else ``fallback``,
@@ -366,7 +387,7 @@ def predicted_speedup_of_cell(k: str, members: list[tuple[Pair, Result]], fallba
     measured over that probe's results, then averaged weighted by the prompts each probe ran (a
     prompt split across machines counts once per machine). None when a result has no probe
     either way, or a probe's results speculated without a single verified candidate."""
-    by_probe: dict[str, list[tuple[Pair, Result]]] = defaultdict(list)
+    by_probe: dict[str, list[tuple[Pair, Measured]]] = defaultdict(list)
     for pair, result in members:
         # JSON text as the key: the recorded probe is a dict, and equal dicts are one machine.
         by_probe[json.dumps(result.metrics.get("probe"), sort_keys=True)].append((pair, result))

@@ -11,7 +11,7 @@ from datetime import datetime, timedelta
 from itertools import groupby
 from typing import Any
 
-from sqlalchemy import Engine, func, select
+from sqlalchemy import ColumnElement, Engine, func, literal_column, select
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
@@ -123,23 +123,30 @@ def batch_progress(engine: Engine, batch_id: int | None = None) -> list[BatchPro
                 .join(Result, Result.item_id == Item.id).where(Item.batch_id.in_(ids)).group_by(Item.batch_id)):
             batches[batch].generated_tokens, batches[batch].generation_s = int(tokens or 0), float(decode_s or 0.0)
         runs = session.execute(
-            select(Item.batch_id, Item.started_at, Item.finished_at, Result.timings)
+            select(Item.batch_id, Item.started_at, Item.finished_at, seconds_before_decoding().label("waited_s"))
             .join(Result, Result.item_id == Item.id)
             .where(Item.batch_id.in_(ids), Item.status == Status.DONE,
                    Item.started_at.is_not(None), Item.finished_at.is_not(None))
             .order_by(Item.batch_id))
         for batch, spans in groupby(runs, key=lambda run: run.batch_id):
             batches[batch].busy_s = busy_seconds(sorted(
-                (decoding_start(run.started_at, run.finished_at, run.timings), run.finished_at) for run in spans))
+                (decoding_start(run.started_at, run.finished_at, run.waited_s), run.finished_at) for run in spans))
         return list(batches.values())
 
 
-def decoding_start(started_at: datetime, finished_at: datetime, timings: dict[str, float]) -> datetime:
-    """When an item began decoding: its claim, plus the models' load and the probe it waited
-    for (its result's ``timings``). Only the first item of a run pays those, and counting them
-    as decoding made a short run's throughput look several times slower than it decodes."""
-    waited = timings.get("model_load_s", 0.0) + timings.get("probe_s", 0.0)
-    return min(started_at + timedelta(seconds=waited), finished_at)
+def seconds_before_decoding() -> ColumnElement[float]:
+    """A result's seconds between its item's claim and its first round: the models' load and
+    the probe it waited for (its ``timings``). Only the first item of a run pays those, and
+    counting them as decoding made a short run's throughput look several times slower than it
+    decodes. Read in SQL: a sweep's hundreds of thousands of timings need not be parsed."""
+    none = literal_column("0.0")  # not a bound parameter: a statement's variables are few on SQLite
+    return (func.coalesce(Result.timings["model_load_s"].as_float(), none)
+            + func.coalesce(Result.timings["probe_s"].as_float(), none))
+
+
+def decoding_start(started_at: datetime, finished_at: datetime, waited_s: float) -> datetime:
+    """When an item began decoding: its claim plus :func:`seconds_before_decoding`."""
+    return min(started_at + timedelta(seconds=waited_s), finished_at)
 
 
 def busy_seconds(spans: Iterable[tuple[datetime, datetime]]) -> float:
