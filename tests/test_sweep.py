@@ -217,7 +217,7 @@ def test_bad_configs_name_the_key(changes, message):
         expand_sweep(config(**changes), "test.toml")
 
 
-def test_the_printed_example_is_a_sweep_that_expands_and_the_repository_example(tmp_path):
+def test_the_printed_example_is_a_sweep_that_expands_and_the_repository_example():
     result = CliRunner().invoke(main, ["enqueue", "sweep", "--example"])
     assert result.exit_code == 0
     assert result.output == (Path(__file__).parent.parent / "examples" / "sweep-offline.toml").read_text()

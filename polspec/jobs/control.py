@@ -57,9 +57,13 @@ def recover(engine: Engine, connection: redis.Redis, batch_id: int | None = None
     live = [Batch.status != Status.CANCELLED.value] + ([Item.batch_id == batch_id] if batch_id is not None else [])
     with session_scope(engine) as session:
         queued = session.execute(select(Item.id, Item.batch_id, Item.params["max_tokens"].as_integer()).join(Batch)
-                                 .where(Item.status == Status.QUEUED.value, *live)).all()
-        running = session.scalars(select(Item).join(Batch).where(Item.status == Status.RUNNING.value, *live)).all()
-        targets = select(Batch.id, Batch.spec["target"].as_string()).where(Batch.status != Status.CANCELLED.value)
+                                 .where(Item.status == Status.QUEUED.value, *live).order_by(Item.id)).all()
+        running = session.scalars(select(Item).join(Batch).where(Item.status == Status.RUNNING.value, *live)
+                                  .order_by(Item.id)).all()
+        # Every batch's, cancelled ones too: on PostgreSQL each read sees what was committed
+        # before it, and a batch cancelled since the items were read is still theirs (a worker
+        # skips their jobs).
+        targets = select(Batch.id, Batch.spec["target"].as_string())
         if batch_id is not None:
             targets = targets.where(Batch.id == batch_id)
         queues = {batch: queue_name(target) for batch, target in session.execute(targets)}

@@ -234,10 +234,12 @@ def _write_sweep(session: Session, plan: SweepPlan) -> tuple[int, list[tuple[int
              for cell in plan.cells}
     session.add_all(cells.values())
     session.flush()
-    # One bulk INSERT ... RETURNING, not an Item object per row: a sweep may have a million
-    # items, and building and flushing objects took most of a large enqueue.
-    ids = session.scalars(insert(Item).returning(Item.id, sort_by_parameter_order=True), [
+    # One bulk INSERT, not an Item object per row: a sweep may have a million items, and building
+    # and flushing objects took most of a large enqueue. The ids are read back by item key
+    # (unique in a batch), not by RETURNING, which SQLite has only since 3.35.
+    session.execute(insert(Item), [
         {"batch_id": batch.id, "cell_id": cells[item.cell].id, "item_key": item.key, "prompt_key": item.prompt_key,
          "repeat": item.repeat, "prompt": item.item.prompt, "messages": item.item.messages,
-         "params": item.item.overrides} for item in plan.items]).all()
-    return batch.id, [(item_id, item.item.overrides["max_tokens"]) for item_id, item in zip(ids, plan.items, strict=True)]
+         "params": item.item.overrides} for item in plan.items])
+    ids = dict(session.execute(select(Item.item_key, Item.id).where(Item.batch_id == batch.id)).all())
+    return batch.id, [(ids[item.key], item.item.overrides["max_tokens"]) for item in plan.items]

@@ -139,7 +139,7 @@ def seconds_before_decoding() -> ColumnElement[float]:
     the probe it waited for (its ``timings``). Only the first item of a run pays those, and
     counting them as decoding made a short run's throughput look several times slower than it
     decodes. Read in SQL: a sweep's hundreds of thousands of timings need not be parsed."""
-    none = literal_column("0.0")  # not a bound parameter: a statement's variables are few on SQLite
+    none = literal_column("0.0")  # a constant, not one more of the statement's bound parameters
     return (func.coalesce(Result.timings["model_load_s"].as_float(), none)
             + func.coalesce(Result.timings["probe_s"].as_float(), none))
 
