@@ -17,7 +17,6 @@ import argparse
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,8 +25,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 # Run as a child process, outside any checkout: the CLI of the checkout on PYTHONPATH, then its own
-# peak memory (ru_maxrss) on stderr. An editable install's finder would import this
-# checkout's polspec whatever the path says, so it is set aside.
+# peak memory on stderr. An editable install's finder would import this checkout's polspec
+# whatever the path says, so it is set aside.
 RUN_CLI = """import resource, sys
 sys.meta_path[:] = [finder for finder in sys.meta_path if not getattr(finder, "__module__", "").startswith("__editable__")]
 import polspec
@@ -36,7 +35,11 @@ print("source", polspec.__file__, file=sys.stderr)
 try:
     main(sys.argv[1:])
 finally:
-    print("maxrss", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)
+    try:  # this process's own high-water mark: Linux's ru_maxrss keeps the parent's across exec
+        peak_kib = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+    except OSError:  # no /proc (macOS), where ru_maxrss counts bytes
+        peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
+    print("peak_kib", peak_kib, file=sys.stderr)
 """
 SWEEP = """name = "large"
 target = "gemma3-270m"
@@ -50,18 +53,12 @@ raw = true
 CELLS = 31
 
 
-def machine_description() -> dict[str, str]:
-    """The machine table of bench/backend.py."""
-    spec = importlib.util.spec_from_file_location("bench_backend", HERE / "backend.py")
+def bench_jobs():
+    """bench/jobs.py, whose machine table and free port this benchmark shares."""
+    spec = importlib.util.spec_from_file_location("bench_jobs", HERE / "jobs.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.machine_description()
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+    return module
 
 
 def run_enqueue(checkout: Path, folder: Path, env: dict[str, str]) -> dict:
@@ -73,8 +70,7 @@ def run_enqueue(checkout: Path, folder: Path, env: dict[str, str]) -> dict:
     if done.returncode:
         raise SystemExit(f"{checkout}: polspec enqueue sweep failed: {done.stderr.strip()}")
     report = json.loads(done.stdout)
-    peak = int(next(line.split()[1] for line in done.stderr.splitlines() if line.startswith("maxrss")))
-    peak_kib = peak / 1024 if sys.platform == "darwin" else peak  # macOS counts bytes
+    peak_kib = int(next(line.split()[1] for line in done.stderr.splitlines() if line.startswith("peak_kib")))
     source = next(line.split()[1] for line in done.stderr.splitlines() if line.startswith("source"))
     assert source.startswith(str(checkout)), f"{checkout}: ran polspec from {source}"
     return {"wall_s": wall, "peak_mb": peak_kib * 1024 / 1e6, "items": report["items"],
@@ -120,15 +116,16 @@ def main() -> None:
                         help="Comma-separated polspec checkouts to run in turn (default: this one).")
     parser.add_argument("--markdown", action="store_true")
     args = parser.parse_args()
+    jobs = bench_jobs()
     with tempfile.TemporaryDirectory() as scratch:
         # Each checkout gets its own Redis server and database; the model cache is the real one.
         rows = [bench_checkout(Path(checkout).resolve(), args.prompts, Path(scratch),
-                               f"redis://127.0.0.1:{free_port()}/0")
+                               f"redis://127.0.0.1:{jobs.free_port()}/0")
                 for checkout in args.checkouts.split(",")]
     if args.markdown:
-        print(markdown(machine_description(), rows))
+        print(markdown(jobs.machine_description(), rows))
     else:
-        print(json.dumps({"machine": machine_description(), "runs": rows}, indent=1))
+        print(json.dumps({"machine": jobs.machine_description(), "runs": rows}, indent=1))
 
 
 if __name__ == "__main__":
