@@ -141,8 +141,9 @@ def job_states(connection: redis.Redis, ids: Sequence[str]) -> dict[str, JobStat
     """The state of each job, None where there is no job, read as two fields of its hash.
 
     Not ``Job.fetch_many``: that parses every field (dates, result, metadata) into a Job, which
-    for the 345,000 jobs of a large sweep took two of a resume's three minutes and gigabytes.
-    The fields are RQ's job hash as ``Job.restore`` reads it.
+    for the 345,000 jobs of a large sweep was most of a resume's time and gigabytes of memory.
+    A hash without ``data`` counts as no job. The fields are RQ's job hash as ``Job.restore``
+    reads it.
     """
     states: dict[str, JobState | None] = {}
     for start in range(0, len(ids), _READ_CHUNK):

@@ -257,7 +257,7 @@ def sweep_report(engine: Engine, batch_id: int) -> SweepReport:
         cells = {cell.id: cell for cell in session.scalars(select(Cell).where(Cell.batch_id == batch_id))}
         # Columns, not objects: a sweep may have hundreds of thousands of results, and loading
         # them whole (texts, token ids, prompts, version records) took a minute and gigabytes.
-        # Each row is both the item's part and the result's part a report reads (a Measured).
+        # Each row holds what a report reads of an item and of its result (a Measured).
         rows = session.execute(
             select(Item.cell_id, Item.prompt_key, Item.repeat, Item.worker_host, Item.worker_pid, Item.started_at,
                    Item.finished_at, seconds_before_decoding().label("waited_s"), Result.metrics,
@@ -280,21 +280,21 @@ def sweep_report(engine: Engine, batch_id: int) -> SweepReport:
     # Cells of older sweeps lack the keys they did not vary.
     configs = {cell.id: scalar | cell.config for cell in cells.values()}
     for row in rows:
-        cell, config, item, result = cells[row.cell_id], configs[row.cell_id], row, row
-        run = (item.worker_host, item.worker_pid)
+        cell, config = cells[row.cell_id], configs[row.cell_id]
+        run = (row.worker_host, row.worker_pid)
         batch_size, temperature = config["batch"], float(config["temperature"])
-        pair = Pair(config["dataset"], config["seed"], batch_size, item.prompt_key, item.repeat, temperature)
+        pair = Pair(config["dataset"], config["seed"], batch_size, row.prompt_key, row.repeat, temperature)
         key = (CellKey(config["dataset"], config["draft"], config["strategy"], str(config["k"]), config["prefix"],
                        batch_size, temperature, config["verify"])
                if not cell.baseline else (config["dataset"], None, batch_size, temperature))
-        if item.started_at is not None and item.finished_at is not None:
-            start = decoding_start(item.started_at, item.finished_at, row.waited_s)
-            spans[key].append((start, item.finished_at, result.generated_tokens))
+        if row.started_at is not None and row.finished_at is not None:
+            start = decoding_start(row.started_at, row.finished_at, row.waited_s)
+            spans[key].append((start, row.finished_at, row.generated_tokens))
         if cell.baseline:
-            baseline[pair], baseline_runs[pair] = result.decode_tokens_per_s, run
+            baseline[pair], baseline_runs[pair] = row.decode_tokens_per_s, run
         else:
             speculative_runs.append((pair, run))
-            groups[key].append((pair, result))
+            groups[key].append((pair, row))
     aggregate = {key: _aggregate(members) for key, members in spans.items()}
     probes = {draft: load_probe(target, draft) for draft in {key.draft for key in groups}}
     report_rows = [cell_row(key, members, baseline, probes[key.draft], aggregate.get(key),
