@@ -27,7 +27,7 @@ from polspec.errors import PolspecError
 from polspec.jobs.queue import (JOB_FUNCTION, delete_jobs, enqueue_items, job_id, job_states, make_queue,
                                queue_name)
 from polspec.store.engine import session_scope
-from polspec.store.items import DEFAULT_LEASE_S, Worker, database_id, owner_gone, reopen_items
+from polspec.store.items import DEFAULT_LEASE_S, Worker, database_id, max_tokens, owner_gone, reopen_items
 from polspec.store.queries import find_batch
 from polspec.store.schema import Batch, Item, Status, utcnow
 
@@ -56,7 +56,7 @@ def recover(engine: Engine, connection: redis.Redis, batch_id: int | None = None
     # a minute and gigabytes. Running items, a few per worker, are read whole for owner_gone.
     live = [Batch.status != Status.CANCELLED.value] + ([Item.batch_id == batch_id] if batch_id is not None else [])
     with session_scope(engine) as session:
-        queued = session.execute(select(Item.id, Item.batch_id, Item.params["max_tokens"].as_integer()).join(Batch)
+        queued = session.execute(select(Item.id, Item.batch_id, max_tokens()).join(Batch)
                                  .where(Item.status == Status.QUEUED.value, *live).order_by(Item.id)).all()
         running = session.scalars(select(Item).join(Batch).where(Item.status == Status.RUNNING.value, *live)
                                   .order_by(Item.id)).all()
@@ -75,9 +75,9 @@ def recover(engine: Engine, connection: redis.Redis, batch_id: int | None = None
         if owner_gone(item, me, now, lease_s) and _requeue_abandoned(engine, item):
             report.reasons["worker gone"] += 1
             to_enqueue[queues[item.batch_id]].append((item.id, item.params["max_tokens"]))
-    for item_id, item_batch, max_tokens in queued:
-        name = queues[item_batch]
-        job = jobs[job_id(db_id, item_id)]
+    for item_id, item_batch, tokens in queued:
+        name, this_job = queues[item_batch], job_id(db_id, item_id)
+        job = jobs[this_job]
         if job is None:
             reason = "job missing"
         elif job.status in _WAITING and job.func_name != JOB_FUNCTION:
@@ -85,7 +85,7 @@ def recover(engine: Engine, connection: redis.Redis, batch_id: int | None = None
         elif job.status in _WAITING:
             if name not in waiting_ids:
                 waiting_ids[name] = set(make_queue(connection, name).get_job_ids())
-            if job_id(db_id, item_id) in waiting_ids[name]:
+            if this_job in waiting_ids[name]:
                 continue
             reason = "job not in its queue"
         elif job.status == JobStatus.STARTED:
@@ -93,7 +93,7 @@ def recover(engine: Engine, connection: redis.Redis, batch_id: int | None = None
         else:
             reason = f"job {job.status.value}" if job.status else "job without a status"
         report.reasons[reason] += 1
-        to_enqueue[name].append((item_id, max_tokens))
+        to_enqueue[name].append((item_id, tokens))
     for name, items in to_enqueue.items():
         enqueue_items(connection, name, db_id, sorted(items))  # by id, the enqueue order: a sweep's is drift-fair
     return report

@@ -45,9 +45,7 @@ def load_dataset(name: str, base: DecodingParams, limit: int | None = None, *,
     if name.startswith("hf:"):
         return _hugging_face(name[3:], base, limit)
     if name.endswith(".jsonl"):
-        path = Path(name).expanduser()
-        if relative_to is not None and not path.is_absolute():
-            path = relative_to / path
+        path = dataset_file(name, relative_to)
         try:
             data = path.read_bytes()
         except OSError as error:
@@ -58,6 +56,13 @@ def load_dataset(name: str, base: DecodingParams, limit: int | None = None, *,
         raise PolspecError(f"unknown dataset {name!r}; built-in: {known}; or a .jsonl file, or hf:OWNER/NAME")
     data = resources.files("polspec.data").joinpath(f"{name}.jsonl").read_bytes()
     return parse_jsonl(data.splitlines(), f"dataset {name}", base)[:limit]
+
+
+def dataset_file(name: str, relative_to: Path | None = None) -> Path:
+    """The file a ``.jsonl`` dataset name reads: ``~`` expanded, a relative path taken from
+    ``relative_to`` where given."""
+    path = Path(name).expanduser()
+    return relative_to / path if relative_to is not None and not path.is_absolute() else path
 
 
 def _hugging_face(name: str, base: DecodingParams, limit: int | None) -> list[ItemInput]:

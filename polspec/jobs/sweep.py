@@ -52,7 +52,7 @@ from typing import Any
 
 from polspec.decoding.params import DecodingParams, is_whole_number
 from polspec.errors import PolspecError, not_utf8, past_parser_limits
-from polspec.jobs.datasets import load_dataset
+from polspec.jobs.datasets import dataset_file, load_dataset
 from polspec.jobs.spec import GenerateSpec, ItemInput, check_items_fit, check_models, has_control_characters
 from polspec.models.registry import load_registry
 
@@ -299,11 +299,10 @@ def _datasets(config: dict[str, Any], source: str, folder: Path | None) -> list[
 
 
 def _dataset_file(name: str, folder: Path | None) -> str | Path:
-    """What a dataset entry reads: a JSONL file's path, as load_dataset resolves it, else the name."""
+    """What a dataset entry reads: a JSONL file's resolved path, else the name."""
     if not name.endswith(".jsonl") or name.startswith("hf:"):
         return name
-    path = Path(name).expanduser()
-    return (folder / path if folder is not None and not path.is_absolute() else path).resolve()
+    return dataset_file(name, folder).resolve()
 
 
 def _params(config: dict[str, Any], source: str, **grid_point) -> DecodingParams:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Engine, select, update
+from sqlalchemy import ColumnElement, Engine, select, update
 from sqlalchemy.orm import Session
 
 from polspec.store.engine import session_scope
@@ -199,16 +199,22 @@ def _locked_item(session: Session, item_id: int) -> Item | None:
     return session.scalar(select(Item).where(Item.id == item_id).with_for_update())
 
 
+def max_tokens() -> ColumnElement[int]:
+    """An item's ``max_tokens``, read in SQL from its parameters: its job's timeout is sized by
+    it, and a sweep's hundreds of thousands of parameter records need not be parsed for it."""
+    return Item.params["max_tokens"].as_integer()
+
+
 def reopen_items(session: Session, batch: Batch, statuses: tuple[Status, ...]) -> list[tuple[int, int]]:
     """Mark a batch's items of these statuses queued again, reopening the batch (cancelled or
     finished) when there are any; returns them as (item id, max_tokens) for their jobs."""
     chosen = (Item.batch_id == batch.id, Item.status.in_([status.value for status in statuses]))
-    rows = session.execute(select(Item.id, Item.params).where(*chosen)).all()
+    rows = session.execute(select(Item.id, max_tokens()).where(*chosen)).all()
     if rows:  # by the condition, not the ids: a sweep's may be more than SQLite takes in one statement
         session.execute(update(Item).where(*chosen).values(status=Status.QUEUED.value, finished_at=None))
         batch.status = Status.RUNNING.value  # no longer cancelled: settle_batch judges it by its items
         settle_batch(session, batch)
-    return [(row.id, row.params["max_tokens"]) for row in rows]
+    return [(item_id, tokens) for item_id, tokens in rows]
 
 
 def settle_batch(session: Session, batch: Batch) -> None:
