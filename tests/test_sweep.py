@@ -233,6 +233,13 @@ def test_one_file_under_two_spellings_is_one_dataset_listed_twice(tmp_path):
             expand_sweep(config(datasets=["mine.jsonl", spelling]), "test.toml", tmp_path)
 
 
+def test_one_hugging_face_split_under_two_spellings_is_listed_twice():
+    with pytest.raises(PolspecError, match=re.escape("'datasets' lists 'hf:owner/set:train' twice (as 'hf:owner/set' too)")):
+        expand_sweep(config(datasets=["hf:owner/set", "hf:owner/set:train"]), "test.toml")
+    with pytest.raises(PolspecError, match="'datasets': hf:owner/set:test( needs the datasets|: cannot load)"):
+        expand_sweep(config(datasets=["hf:owner/set:test", "hf:owner/set"]), "test.toml")  # another split: it loads
+
+
 def test_not_toml_is_one_line(tmp_path):
     path = tmp_path / "bad.toml"
     path.write_text("target = [\n")

@@ -33,6 +33,7 @@ DATASETS = {
 
 
 HF_COLUMNS = ("prompt", "instruction", "question", "text")
+HF_DEFAULT_SPLIT = "train"
 
 
 def load_dataset(name: str, base: DecodingParams, limit: int | None = None, *,
@@ -65,6 +66,17 @@ def dataset_file(name: str, relative_to: Path | None = None) -> Path:
     return relative_to / path if relative_to is not None and not path.is_absolute() else path
 
 
+def dataset_source(name: str, relative_to: Path | None = None) -> str | Path:
+    """What a dataset name reads, one value however it is spelled: a JSONL file's resolved path,
+    an ``hf:`` set with its split, else the name (so two names with one source run once)."""
+    if name.startswith("hf:"):
+        repo, _, split = name.partition(":")[2].partition(":")
+        return f"hf:{repo}:{split or HF_DEFAULT_SPLIT}"
+    if name.endswith(".jsonl"):
+        return dataset_file(name, relative_to).resolve()
+    return name
+
+
 def _hugging_face(name: str, base: DecodingParams, limit: int | None) -> list[ItemInput]:
     try:
         import datasets
@@ -72,7 +84,7 @@ def _hugging_face(name: str, base: DecodingParams, limit: int | None) -> list[It
         raise PolspecError(f"hf:{name} needs the datasets package: pip install 'polspec[hf]'") from None
     repo, _, split = name.partition(":")
     try:
-        rows = datasets.load_dataset(repo, split=split or "train", streaming=True)
+        rows = datasets.load_dataset(repo, split=split or HF_DEFAULT_SPLIT, streaming=True)
     except Exception as error:  # the hub client raises many kinds (offline, not found, gated)
         raise PolspecError(f"hf:{name}: cannot load it: {error}") from None
     return parse_items(_hugging_face_rows(name, rows, limit), f"hf:{name}", base)

@@ -52,7 +52,7 @@ from typing import Any
 
 from polspec.decoding.params import DecodingParams, is_whole_number
 from polspec.errors import PolspecError, not_utf8, past_parser_limits
-from polspec.jobs.datasets import dataset_file, load_dataset
+from polspec.jobs.datasets import dataset_source, load_dataset
 from polspec.jobs.spec import GenerateSpec, ItemInput, check_items_fit, check_models, has_control_characters
 from polspec.models.registry import load_registry
 
@@ -291,18 +291,11 @@ def _datasets(config: dict[str, Any], source: str, folder: Path | None) -> list[
         else:
             raise PolspecError(f"{source}: 'datasets' entries are names or {{ name = ..., limit = ... }} tables")
         same = next((name for name, _ in chosen[:-1]
-                     if _dataset_file(name, folder) == _dataset_file(chosen[-1][0], folder)), None)
+                     if dataset_source(name, folder) == dataset_source(chosen[-1][0], folder)), None)
         if same is not None:  # under two spellings, one file would run twice
             also = f" (as {same!r} too)" if same != chosen[-1][0] else ""
             raise PolspecError(f"{source}: 'datasets' lists {chosen[-1][0]!r} twice{also}")
     return chosen
-
-
-def _dataset_file(name: str, folder: Path | None) -> str | Path:
-    """What a dataset entry reads: a JSONL file's resolved path, else the name."""
-    if not name.endswith(".jsonl") or name.startswith("hf:"):
-        return name
-    return dataset_file(name, folder).resolve()
 
 
 def _params(config: dict[str, Any], source: str, **grid_point) -> DecodingParams:
