@@ -287,19 +287,20 @@ def test_a_cut_list_says_so_and_a_report_names_a_batch_that_is_no_sweep(sqlite_e
                                     f"polspec results list --batch {batch} shows its items\n")
 
 
-def test_square_brackets_in_ids_names_and_sql_print_as_they_are(sqlite_env, tmp_path):
-    """Tables print users' text verbatim: Rich markup would hide ``[b]`` and fail on ``[/]``."""
+def test_square_brackets_and_emoji_codes_in_ids_names_and_sql_print_as_they_are(sqlite_env, tmp_path):
+    """Tables print users' text verbatim: Rich markup would hide ``[b]`` and fail on ``[/]``, and
+    its emoji codes would print ``:fire:`` as a picture."""
     source = tmp_path / "p.jsonl"
-    rows = [{"id": "[/]", "prompt": "Kraków leży"}, {"id": "[b]q", "prompt": "Wisła"}]
+    rows = [{"id": "[/]", "prompt": "Kraków leży"}, {"id": "[b]q:fire:", "prompt": "Wisła"}]
     source.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
-    code, output = cli(sqlite_env, "enqueue", "generate", "--input", str(source), "--name", "[/]names", "--json")
+    code, output = cli(sqlite_env, "enqueue", "generate", "--input", str(source), "--name", "[/]names:smile:", "--json")
     assert code == 0, output
     code, output = cli(sqlite_env, "status")
-    assert code == 0 and "[/]names" in output
+    assert code == 0 and "[/]names:smile:" in output
     code, output = cli(sqlite_env, "results", "list")
-    assert code == 0 and "[/]" in output and "[b]q" in output
-    code, output = cli(sqlite_env, "results", "sql", "SELECT '[/]' AS x, '[bold]y' AS y")
-    assert code == 0 and "[/]" in output and "[bold]y" in output
+    assert code == 0 and "[/]" in output and "[b]q:fire:" in output
+    code, output = cli(sqlite_env, "results", "sql", "SELECT '[/]' AS x, '[bold]y:thumbs_up:' AS y")
+    assert code == 0 and "[/]" in output and "[bold]y:thumbs_up:" in output
 
 
 def test_a_file_that_is_no_database_is_one_line_for_every_reading_command(sqlite_env, tmp_path):

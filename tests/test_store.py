@@ -38,7 +38,7 @@ from polspec.store.migrate import (
     require_current_schema,
     upgrade,
 )
-from polspec.store.queries import batch_progress, item_detail, run_sql
+from polspec.store.queries import batch_progress, item_detail, item_rows, run_sql
 from polspec.store.schema import Batch, Cell, EnergyWindow, Item, Result, metadata, utcnow
 from conftest import sqlite_url
 
@@ -514,6 +514,38 @@ def test_readonly_engine_refuses_writes(engine: Engine) -> None:
     with pytest.raises((PolspecError, DBAPIError), match="read-?only"), reader.begin() as connection:
         connection.execute(text("DELETE FROM batches"))
     reader.dispose()
+
+
+def test_a_query_that_ends_the_read_only_transaction_writes_nothing(engine: Engine) -> None:
+    """PostgreSQL runs several statements in one simple query: a COMMIT among them would end the
+    read-only transaction and let the statements after it write."""
+    with session_scope(engine) as session:
+        new_item(session, new_batch(session), "a")
+    reader = make_engine(engine.url.render_as_string(hide_password=False), readonly=True)
+    for sql in ("COMMIT; DELETE FROM items; COMMIT", "SELECT 1; DELETE FROM items"):
+        with pytest.raises(PolspecError, match="^the database refused the query: "):
+            run_sql(reader, sql)
+    reader.dispose()
+    with session_scope(engine) as session:
+        assert session.scalar(select(func.count()).select_from(Item)) == 1
+
+
+def test_an_export_gives_the_seed_a_sampled_item_drew(engine: Engine) -> None:
+    """Without a seed asked for, the decoder draws one and its metrics keep it: the export
+    gives that seed, with which the item is rerun exactly."""
+    with session_scope(engine) as session:
+        batch = new_batch(session)
+        drawn, asked = new_item(session, batch, "drawn"), new_item(session, batch, "asked")
+        drawn.params = {"max_tokens": 16, "temperature": 0.7, "seed": None}
+        asked.params = {"max_tokens": 16, "temperature": 0.7, "seed": 5}
+        for item in (drawn, asked):
+            result = new_result(item)
+            result.metrics = {**result.metrics, "seed": 4242 if item is drawn else 5}
+            session.add(result)
+        greedy = new_item(session, batch, "greedy")
+        session.add(new_result(greedy))
+    rows = {row["id"]: row for row in item_rows(engine, batch.id)}
+    assert {key: row["seed"] for key, row in rows.items()} == {"drawn": 4242, "asked": 5, "greedy": None}
 
 
 def test_a_query_runs_as_written_with_colons_and_percent_signs(engine: Engine) -> None:

@@ -86,6 +86,11 @@ def make_engine(url: str | URL | None = None, *, readonly: bool = False) -> Engi
         options["pool_pre_ping"] = True
     if readonly and parsed.get_backend_name() == "postgresql":
         options["execution_options"] = {"postgresql_readonly": True}
+        if parsed.get_driver_name() == "psycopg":
+            # Every statement prepared, so sent by the extended protocol, which takes one
+            # statement: in a simple query "COMMIT; DELETE ..." would end the read-only
+            # transaction and write (``results sql`` sends what users type).
+            options["connect_args"] = {"prepare_threshold": 0}
     try:
         engine = create_engine(parsed, **options)
     except (ImportError, NoSuchModuleError) as error:

@@ -189,6 +189,8 @@ def item_rows(engine: Engine, batch_id: int | None = None, status: str | None = 
                 settings |= {"k": None, "strategy": None, "verify": None}
             elif result is not None and result.metrics.get("verify"):
                 settings["verify"] = result.metrics["verify"]  # what ran: auto is exact when greedy
+            if result is not None and result.metrics.get("seed") is not None:
+                settings["seed"] = result.metrics["seed"]  # drawn when none was asked for: reruns it
             yield {
                 "batch": item.batch_id, "id": item.item_key, "status": item.status, "target": spec.get("target"),
                 "draft": draft, **settings,
