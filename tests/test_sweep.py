@@ -791,6 +791,39 @@ def test_the_report_pairs_each_temperature_with_its_own_baseline_and_shows_tempe
     assert "Rows at temperature 0.7 sample with the verify of their row" in output
 
 
+def test_the_report_tells_cells_at_two_prefixes_apart(env, tmp_path):
+    """Rows, auto's comparison with the best fixed k and the plots' lines are per prefix: a
+    prefix other than the default is part of what a row is."""
+    sweep_file = tmp_path / "prefixes.toml"
+    sweep_file.write_text(SMALL.replace('strategies = ["aligned", "naive"]', 'strategies = ["aligned"]')
+                          .replace("k = [1, 2]", 'k = [1, 2, "auto"]').replace("prefix = [5]", "prefix = [3, 5]"))
+    code, output = cli(env, "enqueue", "sweep", "--config", str(sweep_file), "--json")
+    assert code == 0, output
+    sweep = json.loads(output)["batch"]
+    speed = {"baseline": 10.0, 1: 11.0, 2: 15.0, "auto": 14.0}  # at prefix 5; prefix 3 twice as fast
+    engine = make_engine(env["POLSPEC_DB_URL"])
+    with session_scope(engine) as session:
+        for cell, item, _ in stored(env).values():
+            if cell.baseline:
+                session.add(hand_result(item.id, speed["baseline"]))
+            else:
+                session.add(hand_result(item.id, speed[cell.config["k"]] * (2 if cell.config["prefix"] == 3 else 1)))
+        session.execute(update(Item).values(status="done"))
+    engine.dispose()
+    code, output = cli(env, "report", str(sweep), "--format", "json")
+    assert code == 0, output
+    report = json.loads(output.splitlines()[0])
+    speedups = {(row["prefix"], row["k"]): row["speedup"] for row in report["rows"]}
+    assert speedups == pytest.approx({(3, "1"): 2.2, (3, "2"): 3.0, (3, "auto"): 2.8,
+                                      (5, "1"): 1.1, (5, "2"): 1.5, (5, "auto"): 1.4})
+    assert report["headlines"][0]["auto_vs_best"] == pytest.approx({"smollm2-135m/aligned": 1.4 / 1.5,
+                                                                    "smollm2-135m/aligned/p3": 2.8 / 3.0})
+    code, output = cli(env, "report", str(sweep))
+    assert "| draft | strategy | k | prefix | prompts |" in output
+    assert "| smollm2-135m | aligned | 2 | 3 | 2 |" in output and "| smollm2-135m | aligned | 2 | 5 | 2 |" in output
+    assert "fastest: smollm2-135m aligned k=2 prefix=3 at 3.00x" in output
+
+
 def sampled_factor_of(config: dict) -> float:
     """The made-up speedup of a sampled sweep's cell (or report row) in the test above."""
     return 1 + int(config["k"]) / 10 + (0.5 if config["verify"] == "tli" else 0.0) + config["temperature"]

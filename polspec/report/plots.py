@@ -1,7 +1,7 @@
 """PNG plots of a sweep: speedup against k per dataset, acceptance by strategy and draft, the
 cost model's predicted speedup against the measured one, and for a sweep over batch sizes the
-aggregate speedup against the batch size per draft. Sampled cells are drawn apart per
-temperature and verification (Row.sampling)."""
+aggregate speedup against the batch size per draft. Cells at a prefix other than the default,
+and sampled cells per temperature and verification, are drawn apart (Row.variant)."""
 
 from __future__ import annotations
 
@@ -36,11 +36,11 @@ def _speedup_by_k(report: SweepReport, directory: Path) -> Path:
         for row in report.rows:
             if row.dataset == dataset and row.k.isdigit() and row.speedup is not None:
                 low, high = (math.nan, math.nan) if row.speedup_low is None else (row.speedup_low, row.speedup_high)
-                lines[(row.draft, row.strategy, row.sampling, row.batch)].append((int(row.k), row.speedup, low, high))
-        for (draft, strategy, sampling, batch), points in sorted(lines.items()):
+                lines[(row.draft, row.strategy, row.variant, row.batch)].append((int(row.k), row.speedup, low, high))
+        for (draft, strategy, variant, batch), points in sorted(lines.items()):
             points.sort()
             ks = [p[0] for p in points]
-            label = f"{draft} / {strategy}{sampling}" + (f" / B={batch}" if report.batched else "")
+            label = f"{draft} / {strategy}{variant}" + (f" / B={batch}" if report.batched else "")
             axis.plot(ks, [p[1] for p in points], marker="o", label=label)
             axis.fill_between(ks, [p[2] for p in points], [p[3] for p in points], alpha=0.15)
         for row in report.rows:
@@ -62,11 +62,11 @@ def _speedup_by_batch(report: SweepReport, directory: Path) -> Path:
         lines = defaultdict(list)
         for row in report.rows:
             if row.dataset == dataset and row.aggregate_speedup is not None:
-                lines[(row.draft, row.strategy, row.k, row.sampling)].append((row.batch, row.aggregate_speedup))
-        for (draft, strategy, k, sampling), points in sorted(lines.items()):
+                lines[(row.draft, row.strategy, row.k, row.variant)].append((row.batch, row.aggregate_speedup))
+        for (draft, strategy, k, variant), points in sorted(lines.items()):
             points.sort()
             axis.plot([p[0] for p in points], [p[1] for p in points], marker="o",
-                      label=f"{draft} / {strategy} / k={k}{sampling}")
+                      label=f"{draft} / {strategy} / k={k}{variant}")
         axis.axhline(1.0, color="black", linewidth=0.8)
         axis.set(title=dataset, xlabel="batch size (items decoded together)",
                  ylabel="aggregate speedup over target-only at that batch size")
@@ -81,8 +81,8 @@ def _acceptance(report: SweepReport, directory: Path) -> Path:
     groups = defaultdict(list)
     for row in report.rows:
         if row.acceptance_per_candidate is not None:
-            groups[(row.draft, row.strategy, row.sampling)].append(row.acceptance_per_candidate)
-    labels = [f"{draft}\n{strategy}{sampling}" for draft, strategy, sampling in sorted(groups)]
+            groups[(row.draft, row.strategy, row.variant)].append(row.acceptance_per_candidate)
+    labels = [f"{draft}\n{strategy}{variant}" for draft, strategy, variant in sorted(groups)]
     values = [sum(groups[key]) / len(groups[key]) for key in sorted(groups)]
     figure, axis = plt.subplots(figsize=(max(4, 1.2 * len(labels)), 4))
     axis.bar(range(len(values)), values, color="tab:blue")

@@ -32,9 +32,11 @@ def _speedup(row: Row) -> str:
 
 
 def _cell(row: Row) -> str:
-    """A row in words: draft, strategy, k, and temperature and verify when it samples."""
+    """A row in words: draft, strategy, k, a prefix other than the default, and temperature and
+    verify when it samples."""
+    prefix = f" prefix={row.prefix}" if row.custom_prefix else ""
     sampling = f" T={row.temperature:g} verify={row.verify}" if row.temperature else ""
-    return f"{row.draft} {row.strategy} k={row.k}{sampling}"
+    return f"{row.draft} {row.strategy} k={row.k}{prefix}{sampling}"
 
 
 def _headline(headline: Headline) -> str:
@@ -83,8 +85,10 @@ def markdown(report: SweepReport) -> str:
                   "of the cell over the wall time its items were decoding, and aggregate speedup divides it by "
                   "the target-only baseline's at the same B: the gain of a bulk run.", ""]
     lines += _sampling_note(report)
-    # Temperature and verify get columns only where the sweep varied them: older reports keep their tables.
+    # Prefix, temperature and verify get columns only where the sweep varied them: the tables
+    # stay as narrow as the sweep.
     sampling = [(heading, value) for heading, value, varied in (
+        ("prefix", lambda row: f"{row.prefix}", len(report.prefixes) > 1),
         ("T", lambda row: f"{row.temperature:g}", len(report.temperatures) > 1),
         ("verify", lambda row: row.verify, len(report.verifies) > 1)) if varied]
     sampled = "".join(f" {heading} |" for heading, _ in sampling)

@@ -39,6 +39,7 @@ from typing import Any, NamedTuple, Protocol
 from sqlalchemy import Engine, func, select
 
 from polspec.decoding.costmodel import PROBE_FORMAT, Probe, break_even_acceptance, predicted_speedup_of_rounds
+from polspec.decoding.params import DecodingParams
 from polspec.decoding.probe_files import load_probe
 from polspec.errors import PolspecError
 from polspec.store.engine import session_scope
@@ -153,10 +154,22 @@ class Row(CellKey):
         return f"/t{self.temperature:g}/v{self.verify}" if self.temperature else ""
 
     @property
+    def custom_prefix(self) -> bool:
+        """Whether the cell translates with a prefix other than the default: its rows are told
+        apart from the default's by it."""
+        return self.prefix != DecodingParams.prefix
+
+    @property
+    def variant(self) -> str:
+        """What sets the row apart short of draft, strategy, k and batch: a prefix other than the
+        default (``/p3``) and the sampling (``/t0.7/vtli``)."""
+        return (f"/p{self.prefix}" if self.custom_prefix else "") + self.sampling
+
+    @property
     def pair(self) -> str:
-        """Draft and strategy (with the sampling, and the batch size above 1): the cells whose k
+        """Draft and strategy (with the variant, and the batch size above 1): the cells whose k
         are compared."""
-        return f"{self.draft}/{self.strategy}{self.sampling}" + (f"/b{self.batch}" if self.batch != 1 else "")
+        return f"{self.draft}/{self.strategy}{self.variant}" + (f"/b{self.batch}" if self.batch != 1 else "")
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -207,6 +220,11 @@ class SweepReport:
     def temperatures(self) -> list[float]:
         """The temperatures the rows decoded at, in order."""
         return sorted({row.temperature for row in self.rows})
+
+    @property
+    def prefixes(self) -> list[int]:
+        """The prefixes the rows translated with, in order."""
+        return sorted({row.prefix for row in self.rows})
 
     @property
     def verifies(self) -> list[str]:
