@@ -162,9 +162,11 @@ def test_a_report_or_its_plots_that_cannot_be_written_leave_nothing_behind(sqlit
     assert code == 1 and output == (f"polspec: error: {taken / 'acceptance.png'}: cannot write the plot: "
                                     "Is a directory\n") and not report.exists()
     plots = tmp_path / "plots"
-    code, output = cli(sqlite_env, "report", str(sweep_id), "--output", str(tmp_path / "no" / "r.md"), "--plots", str(plots))
-    assert code == 1 and output == f"polspec: error: {tmp_path / 'no' / 'r.md'}: {tmp_path / 'no'} does not exist\n"
-    assert not plots.exists()  # the plots it had written are gone with the directory it made
+    for folder in (plots, plots / "of" / "sweep"):
+        code, output = cli(sqlite_env, "report", str(sweep_id), "--output", str(tmp_path / "no" / "r.md"),
+                           "--plots", str(folder))
+        assert code == 1 and output == f"polspec: error: {tmp_path / 'no' / 'r.md'}: {tmp_path / 'no'} does not exist\n"
+        assert not plots.exists()  # the plots it had written are gone with every folder it made
     plots.mkdir()
     (plots / "mine.txt").write_text("keep")
     code, output = cli(sqlite_env, "report", str(sweep_id), "--output", str(tmp_path / "no" / "r.md"), "--plots", str(plots))

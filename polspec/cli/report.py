@@ -46,8 +46,9 @@ def report(sweep_id: int, fmt: str, output: str | None, plots: Path | None) -> N
     destination = None if output in (None, "-") else Path(output)
     text = {"md": markdown, "csv": csv_text, "json": json_text}[fmt](summary)
     # Plots first and the report last; on any failure the plots this run added are removed
-    # again (with the plots directory, if it made it). Plots it overwrote stay overwritten.
+    # again (with the folders it made for them). Plots it overwrote stay overwritten.
     before = set(plots.iterdir()) if plots is not None and plots.is_dir() else None
+    made = _first_missing(plots) if plots is not None else None
     try:
         written = _write_plots(summary, plots) if plots is not None else []
         if destination is None:
@@ -56,8 +57,11 @@ def report(sweep_id: int, fmt: str, output: str | None, plots: Path | None) -> N
             write_file_atomically(destination,
                                   lambda handle: handle.write(text + ("" if text.endswith("\n") else "\n")))
     except BaseException:
-        if plots is not None:
-            _remove_new(plots, before)
+        if made is not None:
+            shutil.rmtree(made, ignore_errors=True)
+        elif before is not None and plots.is_dir():
+            for path in set(plots.iterdir()) - before:
+                path.unlink(missing_ok=True)
         raise
     for path in [*written, *([destination] if destination is not None else [])]:
         click.echo(f"wrote {path}", err=True)
@@ -79,12 +83,12 @@ def _write_plots(summary: SweepReport, plots: Path) -> list[Path]:
         raise PolspecError(f"{error.filename or plots}: cannot write the plot: {error.strerror}") from None
 
 
-def _remove_new(plots: Path, before: set[Path] | None) -> None:
-    """Remove ``plots`` if it did not exist (``before`` is None), else the files in it that are
-    not in ``before``."""
-    if before is None:
-        if plots.is_dir():
-            shutil.rmtree(plots, ignore_errors=True)
-    elif plots.is_dir():
-        for path in set(plots.iterdir()) - before:
-            path.unlink(missing_ok=True)
+def _first_missing(folder: Path) -> Path | None:
+    """The outermost of ``folder`` and its parents that does not exist (None if it exists): what
+    making ``folder`` creates."""
+    missing = None
+    for path in (folder, *folder.parents):
+        if path.exists():
+            break
+        missing = path
+    return missing
