@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import codecs
+import csv
 import dataclasses
+import io
 import json
 from datetime import UTC, datetime, timedelta
 import re
@@ -822,6 +824,9 @@ def test_the_report_tells_cells_at_two_prefixes_apart(env, tmp_path):
     assert "| draft | strategy | k | prefix | prompts |" in output
     assert "| smollm2-135m | aligned | 2 | 3 | 2 |" in output and "| smollm2-135m | aligned | 2 | 5 | 2 |" in output
     assert "fastest: smollm2-135m aligned k=2 prefix=3 at 3.00x" in output
+    code, output = cli(env, "report", str(sweep), "--format", "csv")
+    rows = list(csv.DictReader(io.StringIO(output, newline="")))
+    assert code == 0 and output.endswith("False\n") and len(rows) == 6 and {row["prefix"] for row in rows} == {"3", "5"}
 
 
 def sampled_factor_of(config: dict) -> float:

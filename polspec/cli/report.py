@@ -52,7 +52,7 @@ def report(sweep_id: int, fmt: str, output: str | None, plots: Path | None) -> N
     try:
         written = _write_plots(summary, plots) if plots is not None else []
         if destination is None:
-            click.echo(text)
+            click.echo(text, nl=not text.endswith("\n"))  # CSV ends its last row itself
         else:
             write_file_atomically(destination,
                                   lambda handle: handle.write(text + ("" if text.endswith("\n") else "\n")))
