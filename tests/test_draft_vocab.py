@@ -136,8 +136,9 @@ def test_rows_of_one_batch_may_prune_differently(gemma3, smollm2):
 
 @pytest.mark.parametrize("value, message", [
     ("some", "draft_vocab must be a number of tokens or one of auto, full, got 'some'"),
-    (100, "draft_vocab must be at least 1024 tokens, auto or full, got 100"),
-    (True, "draft_vocab must be at least 1024 tokens, auto or full, got True"),
+    (100, "draft_vocab must be 1024 to 65536 tokens, auto or full, got 100"),
+    (65537, "draft_vocab must be 1024 to 65536 tokens, auto or full, got 65537"),  # no pruned draft is larger
+    (True, "draft_vocab must be 1024 to 65536 tokens, auto or full, got True"),
 ])
 def test_invalid_draft_vocabularies(value, message):
     with pytest.raises(PolspecError, match=message):
@@ -147,7 +148,7 @@ def test_invalid_draft_vocabularies(value, message):
 def test_the_cli_refuses_a_tiny_draft_vocabulary_in_one_line():
     result = CliRunner().invoke(main, ["generate", "Kraków jest", "--draft", "smollm2-135m", "--draft-vocab", "10"])
     assert result.exit_code == 1
-    assert result.output == "polspec: error: --draft-vocab must be at least 1024 tokens, auto or full, got 10\n"
+    assert result.output == "polspec: error: --draft-vocab must be 1024 to 65536 tokens, auto or full, got 10\n"
 
 
 def test_an_architecture_that_cannot_split_refuses_pruning():

@@ -88,8 +88,8 @@ _OPTIONS = [
                       "candidates)."),
     click.option("--draft-vocab", default="auto", show_default=True,
                  type=NumberOrName(DRAFT_VOCAB, "a number of tokens"),
-                 help="Tokens the draft may propose: its N most frequent on Polish text (a cheaper draft step, "
-                      "still lossless), full, or auto (16384 where the draft has 32768 or more)."),
+                 help="Tokens the draft may propose: its N most frequent on Polish text, 1024 to 65536 (a cheaper "
+                      "draft step, still lossless), full, or auto (16384 where the draft has 32768 or more)."),
     click.option("--max-tokens", default=128, show_default=True, type=int, help="Tokens to generate at most (up to 1,048,576, and the target's context)."),
     click.option("--temperature", default=0.0, show_default=True, type=float, help="0 is greedy decoding."),
     click.option("--top-p", default=1.0, show_default=True, type=float, help="Nucleus sampling mass, in (0, 1]."),

@@ -25,7 +25,7 @@ from collections import defaultdict
 from importlib import resources
 
 from polspec.decoding.draft_head import DraftHead, can_split
-from polspec.decoding.params import MIN_DRAFT_VOCAB
+from polspec.decoding.params import MAX_DRAFT_VOCAB, MIN_DRAFT_VOCAB
 from polspec.decoding.translate import token_bytes
 from polspec.errors import PolspecError
 from polspec.files import write_file_atomically
@@ -33,7 +33,7 @@ from polspec.models.loader import LoadedModel
 
 RANKING_FORMAT = 1
 RANKING_FILE = "polspec-polish-token-ranking.json"
-RANKED = 65_536  # ranks kept in the cached file: more than any useful pruned size
+RANKED = MAX_DRAFT_VOCAB  # ranks kept in the cached file: every size a pruned draft may have
 CAPITALIZED_WEIGHT = 0.1
 # Pruned when the vocabulary is at least twice this: below that the output layer is too small
 # a share of a draft step to be worth cutting. 16,384 takes Gemma-3-270M's draft step to half

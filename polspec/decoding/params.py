@@ -13,6 +13,7 @@ PARTIAL_WORD = ("verify", "hold")  # what aligned does with the tokens of a word
 MAX_K = 16
 DRAFT_VOCAB = ("auto", "full")  # or a number of tokens, see polspec.decoding.draft_vocab
 MIN_DRAFT_VOCAB = 1024
+MAX_DRAFT_VOCAB = 65_536  # a pruned size, past which a draft runs its full vocabulary or nothing pays
 # Seeds are stored in 64-bit signed integer columns and become MLX random keys (unsigned 64-bit).
 MAX_SEED = 2**63 - 1
 # More than any model's context (the worker, and enqueue where the target's files are here,
@@ -74,8 +75,9 @@ class DecodingParams:
             if self.draft_vocab not in DRAFT_VOCAB:
                 raise PolspecError(f"draft_vocab must be a number of tokens or one of {', '.join(DRAFT_VOCAB)}, "
                                    f"got {self.draft_vocab!r}")
-        elif not is_whole_number(self.draft_vocab) or self.draft_vocab < MIN_DRAFT_VOCAB:
-            raise PolspecError(f"draft_vocab must be at least {MIN_DRAFT_VOCAB} tokens, auto or full, got {self.draft_vocab!r}")
+        elif not is_whole_number(self.draft_vocab) or not MIN_DRAFT_VOCAB <= self.draft_vocab <= MAX_DRAFT_VOCAB:
+            raise PolspecError(f"draft_vocab must be {MIN_DRAFT_VOCAB} to {MAX_DRAFT_VOCAB} tokens, auto or full, "
+                               f"got {self.draft_vocab!r}")
         if not 1 <= self.max_tokens <= MAX_TOKENS:
             raise PolspecError(f"max_tokens must be at least 1 and at most {MAX_TOKENS:,}, got {self.max_tokens}")
         if isinstance(self.k, str):

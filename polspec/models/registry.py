@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
+from polspec.decoding.params import MAX_DRAFT_VOCAB, MIN_DRAFT_VOCAB
 from polspec.errors import PolspecError, not_utf8, past_parser_limits
 from polspec.files import write_file_atomically
 from polspec.models.sources import parse_source
@@ -131,8 +132,10 @@ def parse_registry(text: str, where: str) -> Registry:
         table.setdefault("architecture", "")
         table.setdefault("tokenizer_family", alias)
         vocab = table.get("draft_vocab")
-        if vocab is not None and vocab != "full" and not (isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 0):
-            raise PolspecError(f"{where}: [models.{alias}] draft_vocab must be a number of tokens or \"full\", got {vocab!r}")
+        if vocab is not None and vocab != "full" and not (
+                isinstance(vocab, int) and not isinstance(vocab, bool) and MIN_DRAFT_VOCAB <= vocab <= MAX_DRAFT_VOCAB):
+            raise PolspecError(f"{where}: [models.{alias}] draft_vocab must be {MIN_DRAFT_VOCAB} to {MAX_DRAFT_VOCAB} "
+                               f"tokens or \"full\", got {vocab!r}")
         registry.models[alias] = ModelEntry(alias=alias, **table)
     for name, table in data.get("tokenizers", {}).items():
         _check_keys(where, f"tokenizers.{name}", table, TOKENIZER_KEYS)
