@@ -235,6 +235,15 @@ def test_one_file_under_two_spellings_is_one_dataset_listed_twice(tmp_path):
             expand_sweep(config(datasets=["mine.jsonl", spelling]), "test.toml", tmp_path)
 
 
+def test_ids_that_make_one_item_key_in_the_grid_are_refused_naming_the_line(tmp_path):
+    (tmp_path / "slash.jsonl").write_text('{"id": "x", "prompt": "Kraków"}\n{"id": "b4/x", "prompt": "Wisła"}\n')
+    message = ("slash.jsonl:1: the ids 'b4/x' and 'x' make one item key in this grid "
+               "('slash.jsonl/baseline/s0/b4/x/r0'): give one of them an id without '/'")
+    with pytest.raises(PolspecError, match=re.escape(message)):
+        expand_sweep(config(datasets=["slash.jsonl"], batch=[1, 4]), "test.toml", tmp_path)
+    assert len(expand_sweep(config(datasets=["slash.jsonl"], batch=[4]), "test.toml", tmp_path).items) > 2
+
+
 def test_one_hugging_face_split_under_two_spellings_is_listed_twice():
     with pytest.raises(PolspecError, match=re.escape("'datasets' lists 'hf:owner/set:train' twice (as 'hf:owner/set' too)")):
         expand_sweep(config(datasets=["hf:owner/set", "hf:owner/set:train"]), "test.toml")

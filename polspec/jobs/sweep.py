@@ -174,6 +174,7 @@ def expand_sweep(config: dict[str, Any], source: str, folder: Path | None = None
     plan = SweepPlan(config.get("name") or _default_name(config), spec, dict(config))
     plan.cells = [cell for cells in per_dataset.values() for cell in cells]
     chunk = max(grid["batch"])
+    ids: dict[str, str] = {}  # an item's key, the id of the prompt it was made for
     for dataset, _ in datasets:
         runs = list(product(prompts[dataset], range(repeats)))
         params = {cell.key: cell.params.as_dict() for cell in per_dataset[dataset]}
@@ -181,6 +182,10 @@ def expand_sweep(config: dict[str, Any], source: str, folder: Path | None = None
             for cell in per_dataset[dataset]:
                 for item, repeat in runs[start:start + chunk]:
                     key = f"{cell.key}/{item.key}/r{repeat}"
+                    if key in ids:  # ids with a '/' can: "b4/x" in one cell, "x" in the cell ending "/b4"
+                        raise PolspecError(f"{item.where or source}: the ids {ids[key]!r} and {item.key!r} make one "
+                                           f"item key in this grid ({key!r}): give one of them an id without '/'")
+                    ids[key] = item.key
                     plan.items.append(ItemPlan(cell.key, key, item.key, repeat,
                                                ItemInput(key, item.prompt, item.messages, dict(params[cell.key]))))
     return plan
