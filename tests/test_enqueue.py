@@ -179,6 +179,12 @@ def test_stdin_and_dataset_inputs(env):
     code, output = invoke(env, "--dataset", "pl-short", "--limit", "5", "--json")
     assert code == 0 and json.loads(output)["added"] == 5
     assert counts(env) == (2, 8, 8)
+    run = f"'{sys.executable}' -c 'from polspec.cli import main; main()' enqueue generate --input -"
+    for shell, message in ((f"exec {run} <&-", "standard input is closed: give --input a file, or pipe the lines in"),
+                           (f"exec {run} <&- 0>/dev/null", "standard input: Bad file descriptor")):  # write-only
+        closed = subprocess.run(["sh", "-c", shell], env=env, capture_output=True, text=True)
+        assert (closed.returncode, closed.stdout + closed.stderr) == (1, f"polspec: error: {message}\n")
+    assert counts(env) == (2, 8, 8)
 
 
 @pytest.mark.parametrize("dataset", ["pl-wiki", "pl-instruct", "pl-short", "pl-struct"])

@@ -84,7 +84,12 @@ def generate(input_path: str | None, dataset: str | None, limit: int | None, nam
 
 def _read_lines(path: str) -> list[bytes]:
     if path == "-":
-        return sys.stdin.buffer.read().splitlines()
+        if sys.stdin is None:  # started with standard input closed (<&-)
+            raise PolspecError("standard input is closed: give --input a file, or pipe the lines in")
+        try:
+            return sys.stdin.buffer.read().splitlines()
+        except OSError as error:
+            raise PolspecError(f"standard input: {error.strerror}") from None
     try:
         with open(path, "rb") as handle:
             return handle.read().splitlines()
