@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import threading
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -28,7 +29,7 @@ from polspec.cli.results import _window_line
 from polspec.errors import DatabaseFailure, PolspecError
 from polspec.store.engine import display_url, make_engine, session_scope, sqlite_file
 from polspec.store.energy_windows import close_energy_window, open_energy_window
-from polspec.store.items import Worker, database_id
+from polspec.store.items import Worker, claim_item, database_id, finish_item, settle_batch
 from polspec.store.migrate import (
     alembic_config,
     current_revision,
@@ -504,6 +505,29 @@ def test_foreign_keys_are_enforced_and_deletes_cascade(engine: Engine) -> None:
     with session_scope(engine) as session:
         assert session.scalar(select(func.count()).select_from(Item)) == 0
         assert session.scalar(select(func.count()).select_from(Result)) == 0
+
+
+def test_two_workers_finishing_a_batch_s_last_items_at_once_leave_it_done(engine: Engine) -> None:
+    """Each finish settles the batch by its items' statuses. On PostgreSQL (read committed) two
+    finishes at once each saw the other's item still running and left the batch running for
+    good; the second must wait for the first's commit and read its item done."""
+    with session_scope(engine) as session:
+        batch = new_batch(session)
+        first, second = new_item(session, batch, "a").id, new_item(session, batch, "b").id
+    one, other = Worker("host", 1), Worker("host", 2)
+    claim_item(engine, first, one)
+    claim_item(engine, second, other)
+    finishing = threading.Thread(target=lambda: finish_item(engine, second, other, new_result(Item(id=second))))
+    with session_scope(engine) as session:  # finish_item of the first, held open while the other finishes
+        item = session.scalar(select(Item).where(Item.id == first).with_for_update())
+        session.add(new_result(item))
+        item.status = "done"
+        settle_batch(session, item.batch)
+        finishing.start()
+        finishing.join(timeout=2)  # without the wait it finishes here, reading the first item running
+    finishing.join()
+    with session_scope(engine) as session:
+        assert session.get(Batch, batch.id).status == "done"
 
 
 def test_readonly_engine_refuses_writes(engine: Engine) -> None:

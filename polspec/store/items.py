@@ -224,6 +224,10 @@ def settle_batch(session: Session, batch: Batch) -> None:
     session.flush()
     if batch.status == Status.CANCELLED.value:
         return
+    # On PostgreSQL two workers finishing a batch's last items at once would each read the
+    # other's as running and leave the batch running for good: the second waits here for the
+    # first to commit, then reads its item done. (SQLite: the write lock was taken at BEGIN.)
+    session.execute(select(Batch.id).where(Batch.id == batch.id).with_for_update())
     statuses = set(session.scalars(select(Item.status).where(Item.batch_id == batch.id).distinct()))
     if statuses == {Status.QUEUED.value}:
         batch.status = Status.QUEUED.value
