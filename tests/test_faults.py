@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import signal
+import sqlite3
 import subprocess
 import time
 
@@ -19,11 +20,11 @@ from rq import Queue
 from rq.job import Job, JobStatus
 from rq.registry import StartedJobRegistry
 from rq.serializers import JSONSerializer
-from sqlalchemy import func, select
+from sqlalchemy import func, make_url, select
 
 from polspec.cli import main
 from polspec.jobs.queue import queue_name
-from polspec.store.engine import make_engine, session_scope
+from polspec.store.engine import make_engine, session_scope, sqlite_file
 from polspec.store.schema import Item, Result
 from conftest import sqlite_url
 from helpers import start_worker, statuses, wait_for, wait_for_line, worker_in_process
@@ -85,6 +86,22 @@ def test_redis_restarted_mid_batch_loses_nothing(redis_server, tmp_path):
     redis_server.restart()
     finish(worker)
     assert_each_item_done_once(env, 6)
+
+
+def test_a_database_locked_past_its_busy_timeout_stops_no_batched_worker(env):
+    """A batch that meets the database locked past its busy timeout gives its jobs back to RQ,
+    and the worker waits for the database: the error used to end RQ's loop, and the worker with
+    it (status 0, its items left running for the next start)."""
+    enqueue(env, limit=3, max_tokens=48)
+    worker = start_worker(env | {"POLSPEC_DB_BUSY_TIMEOUT_MS": "200"}, "--burst", "--batch", "2")
+    wait_for(lambda: statuses(env).get("running", 0) == 2, 240, "a batch of two items decoding")
+    database = sqlite3.connect(sqlite_file(make_url(env["POLSPEC_DB_URL"])), isolation_level=None)
+    database.execute("BEGIN IMMEDIATE")  # another writer, holding the write lock
+    wait_for_line(worker, "Waiting for the database")
+    database.rollback()
+    database.close()
+    finish(worker)
+    assert_each_item_done_once(env, 3)
 
 
 def test_two_batched_workers_on_one_queue_never_duplicate(any_db_env):

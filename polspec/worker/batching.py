@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import redis
+from rq.exceptions import DeserializationError
 from rq.executions import Execution
 from rq.job import Job
 from rq.queue import Queue
@@ -48,7 +49,7 @@ from sqlalchemy import Engine
 from polspec.decoding.batch import BatchDecoder, SequenceEvent, best_batch_size
 from polspec.decoding.params import DecodingParams
 from polspec.decoding.run import Transcript
-from polspec.errors import PolspecError
+from polspec.errors import DatabaseFailure, PolspecError
 from polspec.jobs.queue import JOB_FUNCTION
 from polspec.jobs.spec import GenerateSpec
 from polspec.models.loader import LoadedModel
@@ -71,8 +72,12 @@ ExcInfo = tuple[type[BaseException], BaseException, TracebackType]
 
 
 def job_item(job: Job, database_id: str) -> int | None:
-    """The item id of a polspec job for this database; None for any other job."""
-    if job.func_name != JOB_FUNCTION or len(job.args) != 2 or job.args[0] != database_id:
+    """The item id of a polspec job for this database; None for any other job, and for a job
+    whose data cannot be read (RQ's own handling fails it)."""
+    try:
+        if job.func_name != JOB_FUNCTION or len(job.args) != 2 or job.args[0] != database_id:
+            return None
+    except DeserializationError:
         return None
     return job.args[1] if isinstance(job.args[1], int) else None
 
@@ -152,10 +157,20 @@ class BatchRun:
         except (SystemExit, KeyboardInterrupt):
             stopped = "the worker stopped in the middle of the batch"
             raise
+        except DatabaseFailure as error:  # the worker waits for the database; RQ retries the items
+            stopped = f"the database failed in the middle of the batch: {error}"
+            exc_info = sys.exc_info()
+            for running in list(self.running.values()):
+                self._fail(running.job, running.execution, exc_info, record=False)
+            self.running.clear()
+            raise
         except BaseException as error:
             stopped = f"the batch ended on an error: {type(error).__name__}: {error}"
             raise
         finally:
+            # Leases of items left behind (the worker stopping, Redis failing) run out, so that
+            # recover or another worker can take them; this worker's heartbeat must not renew them.
+            self.ctx.current_items.difference_update(self.running)
             self._close_window(stopped)
         mx.clear_cache()
 
@@ -198,7 +213,11 @@ class BatchRun:
         job.started_at = now()
         self.worker.active[job.id] = (job, execution)
         item_id = job.args[1]
-        claim = claim_item(self.ctx.engine, item_id, self.ctx.me, self.ctx.lease_s)
+        try:
+            claim = claim_item(self.ctx.engine, item_id, self.ctx.me, self.ctx.lease_s)
+        except DatabaseFailure:
+            self._fail(job, execution, sys.exc_info(), record=False)
+            raise
         if isinstance(claim, str):
             self._succeed(job, execution, {"item": item_id, "skipped": claim})
             return
@@ -253,7 +272,11 @@ class BatchRun:
             self._redis_failed(error)
             return
         for job in jobs:
-            self._start(job)
+            try:
+                self._start(job)
+            except redis.RedisError as error:  # taken off the queue already: recover queues its item again
+                self._redis_failed(error)
+                return
 
     # --- between rounds and leaving ---------------------------------------------------------
 

@@ -9,7 +9,10 @@ Why a subclass (facts in ``design/QUEUE.md``):
   ``job_monitoring_interval`` and the item's lease in the database, while generation stays on
   the main thread (MLX streams are thread-local);
 - Redis may restart while an item runs. The result is already in the database by then, so
-  the worker waits for Redis to come back instead of quitting;
+  the worker waits for Redis to come back instead of quitting. Likewise a database that fails
+  (a restart, SQLite locked past its busy timeout) ends a batch, its jobs go back to RQ for a
+  retry, and the worker waits for the database: RQ's loop would quit on the error, with
+  status 0, and leave the items running until a worker starts again;
 - only :data:`~polspec.jobs.queue.JOB_FUNCTION` is run: anyone who can write to Redis can name
   any importable function, and polspec refuses before importing it;
 - with ``batch`` other than 1 a job whose item may share forwards starts a continuous batch
@@ -33,16 +36,18 @@ from rq.job import Job
 from rq.queue import Queue
 from rq.serializers import JSONSerializer
 from rq.worker import SimpleWorker
+from sqlalchemy import text
 
-from polspec.errors import PolspecError
+from polspec.errors import DatabaseFailure, PolspecError
 from polspec.jobs.queue import JOB_FUNCTION
+from polspec.store.engine import session_scope
 from polspec.store.items import item_pairings, renew_leases
 from polspec.worker import HEARTBEAT_GRACE_S, HEARTBEAT_INTERVAL_S, context
 from polspec.worker.batching import BatchRun, job_item
 
 log = logging.getLogger("polspec.worker")
 
-REDIS_WAIT_MAX_S = 30.0
+REDIS_WAIT_MAX_S = 30.0  # the longest pause between two tries of Redis, or of the database
 PUBSUB_POLL_S = 0.5
 
 
@@ -93,7 +98,10 @@ class PolspecWorker(SimpleWorker):
                                                        exception_handler=self._pubsub_exception_handler)
 
     def execute_job(self, job: Job, queue: Queue) -> None:
-        pairing, size = self._batching(job)
+        try:
+            pairing, size = self._batching(job)
+        except DatabaseFailure:  # the plain path runs it: its failure goes through RQ's retries
+            pairing, size = None, 1
         stop = threading.Event()
         beat = threading.Thread(target=self._beat, args=(stop,), name="polspec-heartbeat", daemon=True)
         beat.start()
@@ -113,6 +121,10 @@ class PolspecWorker(SimpleWorker):
             log.warning("Redis failed after job %s (%s); its item's state is in the database. Waiting for Redis.",
                         job.id, error)
             self._wait_for_redis()
+        except DatabaseFailure as error:
+            log.warning("the database failed (%s): the batch's jobs go back to RQ for a retry. Waiting for the "
+                        "database.", error)
+            self._wait_for_database()
         finally:
             stop.set()
             beat.join()
@@ -170,11 +182,22 @@ class PolspecWorker(SimpleWorker):
                     log.warning("renewing the leases of items %s failed: %s", items, error)
 
     def _wait_for_redis(self) -> None:
+        self._wait_until(self.connection.ping, redis.RedisError)
+
+    def _wait_for_database(self) -> None:
+        def write_transaction() -> None:  # what a claim needs: on SQLite it takes the write lock
+            with session_scope(context.current().engine) as session:
+                session.execute(text("SELECT 1"))
+
+        self._wait_until(write_transaction, DatabaseFailure)
+
+    def _wait_until(self, answers: Callable[[], object], failure: type[Exception]) -> None:
+        """Try ``answers`` with a growing pause until it raises no ``failure`` or a stop is asked for."""
         wait = 0.5
         while not self._stop_requested:
             try:
-                self.connection.ping()
+                answers()
                 return
-            except redis.RedisError:
+            except failure:
                 time.sleep(wait)
                 wait = min(wait * 2, REDIS_WAIT_MAX_S)
