@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from polspec.worker import energy
 from polspec.worker.energy import Measurement, RaplMeter, detect_meter, measure_energy, open_meter
 
 
@@ -26,7 +27,7 @@ def test_rapl_sums_package_zones_and_ignores_sub_zones(tmp_path):
     zone(tmp_path, "intel-rapl:0:0", 42)  # the cores inside package 0: counted in the package already
     meter, about = open_meter(tmp_path)
     assert isinstance(meter, RaplMeter) and "RAPL" in about
-    with measure_energy(meter, "unused") as reading:
+    with measure_energy(meter, "unused") as (reading, _):
         (package0 / "energy_uj").write_text("7500000\n")
         (package1 / "energy_uj").write_text("1500000\n")
     assert reading.joules == pytest.approx(3.0) and reading.source == "rapl" and reading.unavailable_reason is None
@@ -68,8 +69,8 @@ def test_unreadable_rapl_is_unavailable_with_the_reason():
 def test_no_meter_here_gives_a_reason_not_zero(tmp_path):
     availability = detect_meter(tmp_path / "no-powercap")
     assert availability.name is None and "no RAPL package zones" in availability.reason
-    with measure_energy(None, availability.reason) as reading:
-        pass
+    with measure_energy(None, availability.reason) as (reading, renew):
+        renew()
     assert reading.joules is None and reading.source is None and reading.unavailable_reason == availability.reason
 
 
@@ -89,6 +90,20 @@ def test_a_measurement_sums_its_stretches_and_not_what_lies_between(tmp_path):
     assert Measurement(RaplMeter(tmp_path)).reading().joules is None  # nothing measured is not 0 J
 
 
+def test_a_long_window_reads_its_meter_before_the_counter_can_wrap_twice(tmp_path, monkeypatch):
+    """A window of hours (a continuous batch) would see RAPL's counter wrap more than once
+    between its two reads, and count one wrap: the meter is read every MAX_STRETCH_S instead."""
+    package = zone(tmp_path, "intel-rapl:0", 0, wrap=1_000_000_000)  # wraps every 1,000 J
+    clock = [0.0]
+    monkeypatch.setattr(energy.time, "monotonic", lambda: clock[0])
+    with measure_energy(RaplMeter(tmp_path), "unused") as (reading, renew):
+        for step in range(1, 6):  # 600 J a minute for five minutes: the counter wraps three times
+            clock[0] = step * energy.MAX_STRETCH_S
+            (package / "energy_uj").write_text(f"{step * 600_000_000 % 1_000_000_000}\n")
+            renew()
+    assert reading.joules == pytest.approx(3000.0) and reading.source == "rapl"
+
+
 @pytest.mark.parametrize("vanishes", ["at the start", "during"])
 def test_a_meter_that_fails_leaves_the_energy_unavailable_and_the_work_done(tmp_path, vanishes):
     package = zone(tmp_path, "intel-rapl:0", 1_000_000)
@@ -96,7 +111,7 @@ def test_a_meter_that_fails_leaves_the_energy_unavailable_and_the_work_done(tmp_
     if vanishes == "at the start":  # the counter vanished before the window (a driver reset)
         (package / "energy_uj").unlink()
     work_done = False
-    with measure_energy(meter, "unused") as reading:
+    with measure_energy(meter, "unused") as (reading, _):
         if vanishes == "during":
             (package / "energy_uj").unlink()
         work_done = True

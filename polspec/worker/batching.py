@@ -189,6 +189,7 @@ class BatchRun:
                 log.warning("the batch's energy goes unrecorded: %s", self.window_failure)
                 return
         self.energy.resume()
+        self.energy.renew()  # a batch can decode for hours: its meter is read every minute
 
     def _close_window(self, stopped: str | None) -> None:
         """Record the batch's energy; ``stopped`` says why the batch ended early, if it did:

@@ -3,7 +3,8 @@
 - ``apple-silicon``: zeus-apple-silicon (CPU, GPU, ANE and DRAM through IOReport, no sudo);
 - ``nvml``: the NVIDIA driver's cumulative energy counter, summed over GPUs;
 - ``rapl``: Linux RAPL through powercap, summed over the package zones; each counter wraps at
-  its ``max_energy_range_uj`` and the wrap is added back. Usually readable by root only.
+  its ``max_energy_range_uj`` (about 262 kJ: 44 minutes at 100 W) and the wrap is added back,
+  so a measurement is read at least every :data:`MAX_STRETCH_S`. Usually readable by root only.
 
 Energy that cannot be measured is recorded as unavailable with the reason returned here,
 never as 0 and never as an estimate. :func:`open_meter` picks the first meter that works.
@@ -14,13 +15,17 @@ from __future__ import annotations
 import importlib.util
 import platform
 import re
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 POWERCAP = Path("/sys/class/powercap")
+# The longest a meter is left unread while it measures: a stretch of hours would let RAPL's
+# counter wrap more than once, and the joules of each wrap but the last would go uncounted.
+MAX_STRETCH_S = 60.0
 _PACKAGE_ZONE = re.compile(r"intel-rapl:\d+")  # sub-zones (intel-rapl:0:1) are inside their package
 
 
@@ -147,8 +152,11 @@ def detect_meter(powercap: Path = POWERCAP) -> MeterAvailability:
 
 
 @contextmanager
-def measure_energy(meter: Meter | None, unavailable_reason: str, synchronize=None) -> Iterator[EnergyReading]:
-    """A measurement window: the reading is filled in when the block ends.
+def measure_energy(meter: Meter | None, unavailable_reason: str,
+                   synchronize=None) -> Iterator[tuple[EnergyReading, Callable[[], None]]]:
+    """A measurement window: the reading, filled in when the block ends, and a function for the
+    work inside to call now and then (each round), which reads the meter every
+    :data:`MAX_STRETCH_S` (:meth:`Measurement.renew`).
 
     ``synchronize`` (``mx.synchronize``) runs before each end of the window, so that queued
     GPU work is inside it. Without a meter the reading carries ``unavailable_reason``; a meter
@@ -157,7 +165,7 @@ def measure_energy(meter: Meter | None, unavailable_reason: str, synchronize=Non
     measurement = Measurement(meter, synchronize)
     measurement.resume()
     reading = EnergyReading(unavailable_reason=None if meter else unavailable_reason)
-    yield reading
+    yield reading, measurement.renew
     if meter is not None:
         measurement.pause()
         measured = measurement.reading()
@@ -177,6 +185,7 @@ class Measurement:
         self.meter, self.synchronize = meter, synchronize
         self.joules, self.stretches = 0.0, 0
         self.started: object | None = None
+        self.stretch_began = 0.0  # time.monotonic() when the running stretch began
         self.failure: str | None = None
 
     @property
@@ -190,8 +199,16 @@ class Measurement:
             self.synchronize()
         try:
             self.started = self.meter.start()
+            self.stretch_began = time.monotonic()
         except Exception as error:  # a counter that vanished (driver reset, permissions)
             self.failure = f"{self.meter.name} failed at the start of a window: {error}"
+
+    def renew(self) -> None:
+        """End the running stretch and begin the next once it has run :data:`MAX_STRETCH_S`: a
+        wrapping counter (RAPL's) is read before it can wrap twice."""
+        if self.running and time.monotonic() - self.stretch_began >= MAX_STRETCH_S:
+            self.pause()
+            self.resume()
 
     def pause(self) -> None:
         if not self.running:

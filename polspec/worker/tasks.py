@@ -18,6 +18,7 @@ import functools
 import importlib.metadata
 import logging
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -118,9 +119,9 @@ def _generate(ctx: context.WorkerContext, claim: Claim) -> Result:
     probe = item_probe(target, draft, params)
     probe_s = time.perf_counter() - probe_start
     prompt = prompt_of(claim)
-    report = _Progress(ctx, claim.item_id, params.max_tokens)
     mx.reset_peak_memory()
-    with measure_energy(ctx.meter, ctx.meter_reason, mx.synchronize) as energy:
+    with measure_energy(ctx.meter, ctx.meter_reason, mx.synchronize) as (energy, renew_energy):
+        report = _Progress(ctx, claim.item_id, params.max_tokens, renew_energy)
         start = time.perf_counter()
         generation = generate(target, draft, prompt, params, spec.chat, on_commit=report)
         generation_s = time.perf_counter() - start
@@ -130,10 +131,11 @@ def _generate(ctx: context.WorkerContext, claim: Claim) -> Result:
 
 
 class _Progress:
-    """Called after every round: checks for cancellation and publishes progress, once a second."""
+    """Called after every round: checks for cancellation and publishes progress, once a second,
+    and keeps the energy meter read (``renew_energy``)."""
 
-    def __init__(self, ctx: context.WorkerContext, item_id: int, max_tokens: int):
-        self.ctx, self.item_id, self.max_tokens = ctx, item_id, max_tokens
+    def __init__(self, ctx: context.WorkerContext, item_id: int, max_tokens: int, renew_energy: Callable[[], None]):
+        self.ctx, self.item_id, self.max_tokens, self.renew_energy = ctx, item_id, max_tokens, renew_energy
         self.job = get_current_job()
         self.next_check = time.monotonic() + PROGRESS_INTERVAL_S
 
@@ -141,6 +143,7 @@ class _Progress:
         if time.monotonic() < self.next_check:
             return
         self.next_check = time.monotonic() + PROGRESS_INTERVAL_S
+        self.renew_energy()
         if cancelled_items(self.ctx.engine, [self.item_id]):
             raise Cancelled
         if self.job is not None:
