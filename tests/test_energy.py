@@ -7,11 +7,12 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from polspec.worker import energy
-from polspec.worker.energy import Measurement, RaplMeter, detect_meter, measure_energy, open_meter
+from polspec.worker.energy import AppleMeter, Measurement, RaplMeter, detect_meter, measure_energy, open_meter
 
 
 def zone(root: Path, name: str, energy: int, wrap: int = 2**32) -> Path:
@@ -127,3 +128,29 @@ def test_a_meter_that_fails_leaves_the_energy_unavailable_and_the_work_done(tmp_
     measurement.resume()
     measurement.pause()
     assert measurement.reading().joules is None and "failed at the start" in measurement.reading().unavailable_reason
+
+
+class StandInAppleMonitor:
+    """zeus-apple-silicon's monitor runs on macOS only: its two calls, answering ``fields``."""
+
+    def __init__(self, **fields):
+        self.fields = fields
+
+    def begin_window(self, name: str) -> None:
+        pass
+
+    def end_window(self, name: str) -> SimpleNamespace:
+        return SimpleNamespace(**{field: self.fields.get(field) for field in AppleMeter.FIELDS})
+
+
+def test_an_apple_window_whose_subsystems_all_go_unreported_is_unavailable_not_zero():
+    meter = AppleMeter.__new__(AppleMeter)
+    meter.windows = 0
+    meter.monitor = StandInAppleMonitor(cpu_total_mj=1500, dram_mj=500)  # no GPU or ANE figures: still a reading
+    with measure_energy(meter, "unused") as (reading, _):
+        pass
+    assert (reading.joules, reading.source) == (pytest.approx(2.0), "apple-silicon")
+    meter.monitor = StandInAppleMonitor()
+    with measure_energy(meter, "unused") as (reading, _):
+        pass
+    assert reading.joules is None and "reported none of cpu_total_mj" in reading.unavailable_reason

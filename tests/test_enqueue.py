@@ -220,6 +220,11 @@ BAD_LINES = [
     ('{"id": "\\udfff", "prompt": "x"}', "p.jsonl:2: the id holds a lone surrogate"),
     ('{"id": "a", "messages": [{"role": "user", "content": "\\ud83d"}]}',
      "p.jsonl:2: messages[0].content holds a lone surrogate"),
+    # PostgreSQL stores no NUL in text: it was a DataError traceback there.
+    ('{"id": "a", "prompt": "Ala\\u0000ma"}', "p.jsonl:2: the prompt holds a NUL character (\\u0000) at character 4"),
+    ('{"id": "a\\u0000", "prompt": "x"}', "p.jsonl:2: the id holds a NUL character"),
+    ('{"id": "a", "messages": [{"role": "user", "content": "\\u0000"}]}',
+     "p.jsonl:2: messages[0].content holds a NUL character"),
     ('{"id": "a", "messages": [{"role": "robot", "content": "Cześć"}]}',
      "p.jsonl:2: messages[0].role is 'robot'; it must be one of system, user, assistant"),
     ('{"id": "a", "messages": [{"role": "system", "content": "Mów po polsku."}, '

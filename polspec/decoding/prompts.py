@@ -30,7 +30,10 @@ def check_text(text: str, what: str) -> None:
     """Refuse a string that is not text: JSON's ``\\ud800`` escapes decode to lone UTF-16
     surrogates, which no tokenizer or database can store. Python passes on a command-line
     argument's bytes that are not UTF-8 as surrogates U+DC80-U+DCFF: those are named as the
-    bytes they stand for."""
+    bytes they stand for. A NUL character (``\\u0000``) is refused too: PostgreSQL stores no
+    text that holds one, and a queue that moves to it must not find items it cannot take."""
+    if (nul := text.find("\0")) >= 0:
+        raise PolspecError(f"{what} holds a NUL character (\\u0000) at character {nul + 1}, which is not text")
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as error:

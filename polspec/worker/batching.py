@@ -326,8 +326,10 @@ class BatchRun:
                             running.timings | {"generation_s": time.perf_counter() - running.joined}, self.window_id)
         try:
             stored = finish_item(self.ctx.engine, event.key, self.ctx.me, result)
-        except Exception:  # noqa: BLE001 - the database's fault, not the item's: RQ tries the job again
-            self._fail(running.job, running.execution, sys.exc_info(), record=False)
+        except Exception as error:  # noqa: BLE001 - RQ tries the job again
+            # A database that failed cannot record why; one that refused the result can, and the
+            # item then fails with the reason after RQ's retries rather than stay running.
+            self._fail(running.job, running.execution, sys.exc_info(), record=not isinstance(error, DatabaseFailure))
             return
         self._succeed(running.job, running.execution,
                       {"item": event.key, "stored": stored, "tokens": result.generated_tokens})

@@ -119,8 +119,12 @@ class AppleMeter:
 
     def stop(self, started: object) -> float:
         metrics = self.monitor.end_window(started)
-        # A subsystem this chip does not report is None; the others still cover the SoC.
-        return sum(getattr(metrics, field, None) or 0 for field in self.FIELDS) / 1e3
+        # A subsystem this chip does not report is None; the others still cover the SoC. None
+        # of them is no measurement, not 0 J.
+        reported = [value for field in self.FIELDS if (value := getattr(metrics, field, None)) is not None]
+        if not reported:
+            raise OSError(f"zeus-apple-silicon reported none of {', '.join(self.FIELDS)}")
+        return sum(reported) / 1e3
 
 
 def open_meter(powercap: Path = POWERCAP) -> tuple[Meter | None, str]:

@@ -66,6 +66,9 @@ def run_item(database_id: str, item_id: int) -> dict[str, Any]:
     ctx.current_items.add(item_id)
     try:
         result = _generate(ctx, claim)
+        # Inside: a result the database refuses (not one it fails to take) fails the item like
+        # an error of its own, with the reason, rather than leave it running after RQ's retries.
+        stored = finish_item(ctx.engine, item_id, ctx.me, result)
     except Cancelled:
         fail_item(ctx.engine, item_id, ctx.me, "cancelled while running", final=True, status=Status.CANCELLED)
         return {"item": item_id, "cancelled": True}
@@ -82,7 +85,6 @@ def run_item(database_id: str, item_id: int) -> dict[str, Any]:
     finally:
         ctx.current_items.discard(item_id)
         mx.clear_cache()
-    stored = finish_item(ctx.engine, item_id, ctx.me, result)
     return {"item": item_id, "stored": stored, "tokens": result.generated_tokens}
 
 
