@@ -89,6 +89,13 @@ def test_unsupported_architecture_is_named(isolated_home, tmp_path):
     assert leftovers(models_dir()) == []
 
 
+def test_a_file_where_the_cache_keeps_a_folder_is_one_line_naming_it(isolated_home):
+    isolated_home.mkdir(parents=True)
+    (isolated_home / "blobs").write_text("")
+    code, output = run_cli("models", "fetch", "smollm2-135m")
+    assert code == 1 and output == f"polspec: error: {isolated_home / 'blobs'}: File exists\n"
+
+
 def test_missing_gguf_file(isolated_home, tmp_path):
     code, output = run_cli("models", "import", str(tmp_path / "nowhere.gguf"), "--name", "x")
     assert code == 1 and "nowhere.gguf: no such GGUF file" in output

@@ -19,6 +19,8 @@ class PolspecGroup(click.Group):
     A missing MLX backend surfaces wherever ``mlx.core`` is first imported; it becomes the
     same one-line hint as :func:`polspec.backend.setup` gives. A full disk or a failing device
     under stdout (``> /dev/full``) is one line too; click already quiets a closed pipe (``| head``).
+    So is a file system that refuses a path (a cache folder left to root by a ``sudo`` run, a
+    file where polspec keeps a folder, a read-only mount), naming the path.
     """
 
     def invoke(self, ctx: click.Context):
@@ -31,6 +33,11 @@ class PolspecGroup(click.Group):
             if (error.name or "").split(".")[0] != "mlx":
                 raise
             click.echo(f"polspec: error: {INSTALL_HINT} ({error})", err=True)
+            sys.exit(1)
+        except OSError as error:
+            if error.errno not in _PATH_REFUSED or error.filename is None:
+                raise
+            click.echo(f"polspec: error: {error.filename}: {error.strerror}", err=True)
             sys.exit(1)
 
     def main(self, *args, **kwargs):
@@ -47,6 +54,7 @@ class PolspecGroup(click.Group):
 
 
 _CANNOT_WRITE = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EFBIG}
+_PATH_REFUSED = {errno.EACCES, errno.EPERM, errno.EEXIST, errno.ENOTDIR, errno.EISDIR, errno.EROFS}
 
 
 @click.group(cls=PolspecGroup, context_settings={"help_option_names": ["-h", "--help"]})
