@@ -70,6 +70,7 @@ def database_url_set() -> bool:
 
 
 DEFAULT_BUSY_TIMEOUT_MS = 30_000
+MAX_BUSY_TIMEOUT_MS = 2**31 - 1  # SQLite keeps it in a C int: past it the timeout reads back as 0, no wait
 
 
 def db_busy_timeout_ms() -> int:
@@ -81,8 +82,9 @@ def db_busy_timeout_ms() -> int:
         value = int(raw)
     except ValueError:
         value = -1
-    if value < 0:
-        raise PolspecError(f"POLSPEC_DB_BUSY_TIMEOUT_MS must be a whole number of milliseconds, got {raw!r}")
+    if not 0 <= value <= MAX_BUSY_TIMEOUT_MS:
+        raise PolspecError(f"POLSPEC_DB_BUSY_TIMEOUT_MS must be a whole number of milliseconds up to "
+                           f"{MAX_BUSY_TIMEOUT_MS}, got {raw!r}")
     return value
 
 

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 import polspec
 from polspec.cli import main
 from polspec.errors import PolspecError
-from polspec.settings import model_cache_bytes
+from polspec.settings import db_busy_timeout_ms, model_cache_bytes
 
 
 def test_only_settings_reads_the_environment():
@@ -32,6 +32,16 @@ def test_the_model_cache_budget_is_gigabytes_or_a_share_of_memory(monkeypatch: p
         with pytest.raises(PolspecError, match=f"^POLSPEC_MODEL_CACHE_GB must be a positive number of gigabytes, "
                                                f"got '{bad}'$"):
             model_cache_bytes()
+
+
+def test_the_busy_timeout_is_milliseconds_sqlite_can_hold(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("POLSPEC_DB_BUSY_TIMEOUT_MS", str(2**31 - 1))
+    assert db_busy_timeout_ms() == 2**31 - 1
+    for bad in ("soon", "-1", str(2**31)):  # 2**31 read back from SQLite as 0: no wait at all
+        monkeypatch.setenv("POLSPEC_DB_BUSY_TIMEOUT_MS", bad)
+        with pytest.raises(PolspecError, match=f"^POLSPEC_DB_BUSY_TIMEOUT_MS must be a whole number of milliseconds "
+                                               f"up to 2147483647, got '{bad}'$"):
+            db_busy_timeout_ms()
 
 
 def test_a_home_that_is_a_file_is_one_line_for_every_command(tmp_path):
