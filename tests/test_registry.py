@@ -8,7 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
+from polspec.cli import main
 from polspec.errors import PolspecError
 from polspec.models.loader import load_model
 from polspec.models.registry import load_registry
@@ -71,6 +73,16 @@ def test_dir_source_without_a_model(isolated_home, tmp_path):
     (isolated_home / "models.toml").write_text(f'[models.empty]\nsource = "dir:{tmp_path}"\n')
     with pytest.raises(PolspecError, match=f"{tmp_path}: not a model directory"):
         load_model("empty")
+
+
+@pytest.mark.parametrize("config", ['{"model_type": "llama", ', "[1]"])
+def test_a_dir_model_whose_config_is_no_json_object_is_one_line(isolated_home, tmp_path, config):
+    (tmp_path / "config.json").write_text(config)
+    isolated_home.mkdir(parents=True)
+    (isolated_home / "models.toml").write_text(f'[models.mine]\nsource = "dir:{tmp_path}"\n')
+    result = CliRunner().invoke(main, ["models", "show", "mine"])
+    assert result.exit_code == 1 and result.output.startswith(
+        f"polspec: error: {tmp_path / 'config.json'}: not a model configuration") and result.output.count("\n") == 1
 
 
 def test_offline_hub_is_a_one_line_error_naming_the_repo(isolated_home):

@@ -150,7 +150,9 @@ def show(alias: str, as_json: bool) -> None:
     if isinstance(entry, ModelEntry):
         row["eos_tokens"] = list(entry.eos_tokens)
         if row["path"] and (Path(row["path"]) / "config.json").exists():
-            config = json.loads((Path(row["path"]) / "config.json").read_text())
+            from polspec.models.files import model_config
+
+            config = model_config(Path(row["path"]))
             row["config"] = {key: config.get(key) for key in (
                 "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "vocab_size", "max_position_embeddings", "tie_word_embeddings")}

@@ -124,9 +124,22 @@ def cached_path(entry: ModelEntry) -> Path | None:
     return imported_dir(sha256) if sha256 and is_imported(sha256) else None
 
 
+def model_config(path: Path) -> dict:
+    """The ``config.json`` of the model directory ``path``; a :class:`PolspecError` naming the
+    file where it is no JSON object (a ``dir:`` model's own file, hand-edited or cut short)."""
+    config_file = path / "config.json"
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise PolspecError(f"{config_file}: not a model configuration ({error})") from None
+    if not isinstance(config, dict):
+        raise PolspecError(f"{config_file}: not a model configuration (a JSON object)")
+    return config
+
+
 def context_length(path: Path) -> int | None:
     """The longest sequence the model in ``path`` was trained for, when its config says."""
-    return json.loads((path / "config.json").read_text()).get("max_position_embeddings")
+    return model_config(path).get("max_position_embeddings")
 
 
 def _hf_snapshot_offline(repo: str) -> Path:
