@@ -218,3 +218,13 @@ def test_full_disk_during_fetch_removes_partial_files(tiny_disk, monkeypatch):
     with pytest.raises(PolspecError, match=r"no space left on device while fetching tokenizer\.model\.v1.*partial files were removed"):
         fetch_tokenizer_file(load_registry().tokenizer("tok:mistral-32k"))
     assert leftovers(blobs_dir()) == []
+
+
+@pytest.mark.slow
+def test_full_disk_during_an_import_removes_partial_files(tiny_disk, monkeypatch, smollm2_gguf):
+    monkeypatch.setenv("POLSPEC_HOME", str(tiny_disk))
+    # The weights alone are over 500 MB as float32: they cannot fit on a 3 MiB disk.
+    with pytest.raises(PolspecError, match=rf"cannot write the import of {smollm2_gguf.name} into .* \(is the disk "
+                                           r"full\?\): .*; partial files were removed"):
+        import_gguf_file(smollm2_gguf)
+    assert leftovers(models_dir()) == []

@@ -16,6 +16,7 @@ dequantized values; the loader applies the dtype policy), the tokenizer files an
 
 from __future__ import annotations
 
+import errno
 import importlib
 import json
 import re
@@ -284,6 +285,21 @@ def import_gguf(path: Path, dest: Path, sha256: str, progress: ProgressFn = no_p
         }
         (work / "polspec-import.json").write_text(json.dumps(info, indent=2))
         move_into_cache(work, dest)
+    except Exception as error:
+        if not _out_of_space(error):
+            raise
+        reason = error.strerror if isinstance(error, OSError) else str(error)
+        raise PolspecError(f"cannot write the import of {path.name} into {dest.parent} (is the disk full?): "
+                           f"{reason}; partial files were removed") from None
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return dest
+
+
+def _out_of_space(error: Exception) -> bool:
+    """Whether a write failed for want of space: an OSError says so by its errno; the
+    tokenizers library (Rust) by its message, and MLX's safetensors writer only as a short write."""
+    if isinstance(error, OSError):
+        return error.errno in (errno.ENOSPC, errno.EDQUOT)
+    message = str(error)
+    return "os error 28" in message or "os error 122" in message or message.startswith("[write] Unable to write")
