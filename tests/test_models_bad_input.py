@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import gguf
@@ -125,6 +126,26 @@ def test_the_registry_file_keeps_any_text_it_is_given(tmp_path):
                      eos_tokens=("</s>\n", "\x7f\t<|end|>"), sha256="0" * 64)
     add_user_model(odd, user_file)
     assert parse_registry(user_file.read_text(encoding="utf-8"), str(user_file)).models["odd"] == odd
+
+
+ADD_MODELS = """
+import sys
+from pathlib import Path
+from polspec.models.registry import ModelEntry, add_user_model
+for index in range(5):
+    add_user_model(ModelEntry(alias=f"{sys.argv[2]}{index}", source="gguf:/x.gguf", architecture="llama",
+                              tokenizer_family="x"), Path(sys.argv[1]))
+"""
+
+
+def test_imports_at_once_each_keep_their_alias(tmp_path):
+    """Each import reads the registry file, adds its entry and writes it whole: two at once
+    could each write what they read, and one alias was lost."""
+    user_file = tmp_path / "models.toml"
+    writers = [subprocess.Popen([sys.executable, "-c", ADD_MODELS, str(user_file), prefix]) for prefix in "abcdef"]
+    assert [writer.wait() for writer in writers] == [0] * 6
+    models = parse_registry(user_file.read_text(encoding="utf-8"), str(user_file)).models
+    assert sorted(models) == sorted(f"{prefix}{index}" for prefix in "abcdef" for index in range(5))
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from polspec.decoding.params import MAX_DRAFT_VOCAB, MIN_DRAFT_VOCAB
 from polspec.errors import PolspecError, not_utf8, past_parser_limits
-from polspec.files import write_file_atomically
+from polspec.files import file_lock, write_file_atomically
 from polspec.models.sources import parse_source
 from polspec.settings import user_registry_file
 
@@ -170,8 +170,14 @@ def read_registry_text(path: Path) -> str:
 
 
 def add_user_model(entry: ModelEntry, user_file: Path | None = None) -> None:
-    """Append ``entry`` to the user's registry file (used by ``polspec models import``)."""
+    """Append ``entry`` to the user's registry file (used by ``polspec models import``); two
+    imports at once each add theirs (the file is read and written under a lock)."""
     user_file = user_file or user_registry_file()
+    with file_lock(user_file.with_name(user_file.name + ".lock"), "registry lock"):
+        _append_model(entry, user_file)
+
+
+def _append_model(entry: ModelEntry, user_file: Path) -> None:
     existing = read_registry_text(user_file) if user_file.exists() else ""
     if entry.alias in parse_registry(existing, str(user_file)).models:
         raise PolspecError(f"{user_file}: alias {entry.alias!r} already exists; choose another --name")
