@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import gguf
@@ -130,6 +132,7 @@ def test_the_registry_file_keeps_any_text_it_is_given(tmp_path):
 
 ADD_MODELS = """
 import sys
+import time
 from pathlib import Path
 from polspec.models.registry import ModelEntry, add_user_model
 for index in range(5):
@@ -249,3 +252,18 @@ def test_full_disk_during_an_import_removes_partial_files(tiny_disk, monkeypatch
                                            r"full\?\): .*; partial files were removed"):
         import_gguf_file(smollm2_gguf)
     assert leftovers(models_dir()) == []
+
+
+@pytest.mark.slow
+def test_an_import_stopped_by_sigterm_leaves_no_work_folder(isolated_home, smollm2_gguf):
+    """kill, timeout and systemd stop with SIGTERM, which ended Python without its cleanups: the
+    import's work folder (gigabytes for a large model) stayed in the cache for good."""
+    importing = subprocess.Popen([sys.executable, "-c", "from polspec.cli import main; main()", "models", "import",
+                                  str(smollm2_gguf), "--name", "stopped"], env=os.environ | {"POLSPEC_HOME": str(isolated_home)})
+    deadline = time.monotonic() + 120
+    while not list(models_dir().glob(".import-*")) and time.monotonic() < deadline and importing.poll() is None:
+        time.sleep(0.1)
+    assert list(models_dir().glob(".import-*")), "the import never began"
+    importing.send_signal(signal.SIGTERM)
+    assert importing.wait(timeout=60) == 128 + signal.SIGTERM
+    assert leftovers(models_dir()) == [] and not (isolated_home / "models.toml").exists()

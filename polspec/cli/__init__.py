@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import errno
 import os
+import signal
 import sys
+import threading
 
 import click
 
@@ -41,6 +43,11 @@ class PolspecGroup(click.Group):
             sys.exit(1)
 
     def main(self, *args, **kwargs):
+        # SIGTERM (kill, timeout, systemd) ends a command through its cleanups, as Ctrl+C does:
+        # an import or fetch cut short removes its work folder (gigabytes for a large model)
+        # instead of leaving it in the cache. The worker installs its own handlers over this.
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, _terminated)
         try:
             return super().main(*args, **kwargs)
         except OSError as error:  # raised outside invoke too: --help writes while parsing
@@ -51,6 +58,10 @@ class PolspecGroup(click.Group):
             where = f" {error.filename}" if error.filename else " the output"
             click.echo(f"polspec: error: cannot write{where}: {error.strerror}", err=True)
             sys.exit(1)
+
+
+def _terminated(signum: int, frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 _CANNOT_WRITE = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EFBIG}
