@@ -188,6 +188,8 @@ def test_the_chi_square_check_detects_a_different_distribution(gemma3):
     (dict(prefix=-1), "prefix must be 0 or more, got -1"),
     (dict(temperature=-0.5), "temperature must be a finite number, 0 or more, got -0.5"),
     (dict(temperature=float("nan")), "temperature must be a finite number, 0 or more, got nan"),
+    (dict(temperature=1e-40), "temperature must be 0 \\(greedy\\) or from 1e-06 to 1e\\+06, got 1e-40"),  # sampled token 0
+    (dict(temperature=1e50), "temperature must be 0 \\(greedy\\) or from 1e-06 to 1e\\+06, got 1e\\+50"),
     (dict(temperature=0.7, seed=2**63), "seed must be between 0 and 9223372036854775807"),
     (dict(top_p=0.0), r"top_p must be in \(0, 1\], got 0.0"),
     (dict(top_p=1.5), r"top_p must be in \(0, 1\], got 1.5"),

@@ -13,6 +13,7 @@ PARTIAL_WORD = ("verify", "hold")  # what aligned does with the tokens of a word
 MAX_K = 16
 DRAFT_VOCAB = ("auto", "full")  # or a number of tokens, see polspec.decoding.draft_vocab
 MIN_DRAFT_VOCAB = 1024
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-6, 1e6
 MAX_DRAFT_VOCAB = 65_536  # a pruned size, past which a draft runs its full vocabulary or nothing pays
 # Seeds are stored in 64-bit signed integer columns and become MLX random keys (unsigned 64-bit).
 MAX_SEED = 2**63 - 1
@@ -95,6 +96,11 @@ class DecodingParams:
             raise PolspecError(f"prefix must be 0 or more, got {self.prefix}")
         if not 0 <= self.temperature < math.inf:
             raise PolspecError(f"temperature must be a finite number, 0 or more, got {self.temperature}")
+        if self.temperature and not MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE:
+            # Past these the sampler's float32 scale (1 / temperature) is infinite or 0, and every
+            # draw would be token 0: refused rather than generate padding.
+            raise PolspecError(f"temperature must be 0 (greedy) or from {MIN_TEMPERATURE:g} to {MAX_TEMPERATURE:g}, "
+                               f"got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise PolspecError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
