@@ -198,6 +198,8 @@ def test_bad_registry_file_names_file_and_key(isolated_home):
                                                                    "got 'abc'"),
     ('[models.x]\nsource = "gguf:/x.gguf"\neos_tokens = [5]\n', "[models.x] eos_tokens must be a list of texts"),
     ('[tokenizers.t]\nsource = 5\nformat = "sentencepiece"\n', "[tokenizers.t] source must be text, got 5"),
+    ('[tokenizers.t]\nsource = "gguf:/x.gguf"\nformat = "sentencepiece"\n',  # models list failed, naming no file
+     "[tokenizers.t] source must be a wheel: source, got 'gguf:/x.gguf'"),
     ('[models.x]\nsource = "gguf:/x.gguf"\ndraft_vocab = 100000\n',  # a worker would refuse it hours later
      '[models.x] draft_vocab must be 1024 to 65536 tokens or "full", got 100000'),
     ("x = " + "[" * 100_000 + "\n", "cannot be read: nesting too deep"),

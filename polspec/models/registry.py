@@ -15,7 +15,7 @@ from pathlib import Path
 from polspec.decoding.params import MAX_DRAFT_VOCAB, MIN_DRAFT_VOCAB
 from polspec.errors import PolspecError, not_utf8, past_parser_limits
 from polspec.files import file_lock, write_file_atomically
-from polspec.models.sources import parse_source
+from polspec.models.sources import WheelSource, parse_source
 from polspec.settings import user_registry_file
 
 TOKENIZER_PREFIX = "tok:"
@@ -141,6 +141,8 @@ def parse_registry(text: str, where: str) -> Registry:
         _check_keys(where, f"tokenizers.{name}", table, TOKENIZER_KEYS)
         if table.get("format") not in TOKENIZER_FORMATS:
             raise PolspecError(f"{where}: [tokenizers.{name}] format must be one of {', '.join(TOKENIZER_FORMATS)}")
+        if not isinstance(parse_source(table["source"]), WheelSource):  # a tokenizer file comes only in a wheel
+            raise PolspecError(f"{where}: [tokenizers.{name}] source must be a wheel: source, got {table['source']!r}")
         table.setdefault("tokenizer_family", name)
         alias = TOKENIZER_PREFIX + name
         registry.tokenizers[alias] = TokenizerEntry(alias=alias, **table)

@@ -169,16 +169,18 @@ class PolspecWorker(SimpleWorker):
     def _beat(self, stop: threading.Event) -> None:
         ctx = context.current()
         while not stop.wait(self.job_monitoring_interval):
+            # Any error is logged and the next beat tries again: a thread that died on one would
+            # let the items' leases run out while they decode, and another worker take them over.
             for job, execution in self.active.copy().values():
                 try:
                     self.maintain_heartbeats(job, execution)
-                except redis.RedisError as error:
+                except Exception as error:  # noqa: BLE001
                     log.warning("heartbeat to Redis failed: %s", error)
             items = sorted(ctx.current_items.copy())
             if items:
                 try:
                     renew_leases(ctx.engine, items, ctx.me)
-                except PolspecError as error:
+                except Exception as error:  # noqa: BLE001
                     log.warning("renewing the leases of items %s failed: %s", items, error)
 
     def _wait_for_redis(self) -> None:
