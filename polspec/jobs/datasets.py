@@ -70,11 +70,16 @@ def dataset_source(name: str, relative_to: Path | None = None) -> str | Path:
     """What a dataset name reads, one value however it is spelled: a JSONL file's resolved path,
     an ``hf:`` set with its split, else the name (so two names with one source run once)."""
     if name.startswith("hf:"):
-        repo, _, split = name.partition(":")[2].partition(":")
-        return f"hf:{repo}:{split or HF_DEFAULT_SPLIT}"
+        return "hf:{}:{}".format(*_hf_repo_and_split(name[3:]))
     if name.endswith(".jsonl"):
         return dataset_file(name, relative_to).resolve()
     return name
+
+
+def _hf_repo_and_split(name: str) -> tuple[str, str]:
+    """``OWNER/NAME[:SPLIT]`` (after ``hf:``) as the repository and the split, ``train`` by default."""
+    repo, _, split = name.partition(":")
+    return repo, split or HF_DEFAULT_SPLIT
 
 
 def _hugging_face(name: str, base: DecodingParams, limit: int | None) -> list[ItemInput]:
@@ -82,9 +87,9 @@ def _hugging_face(name: str, base: DecodingParams, limit: int | None) -> list[It
         import datasets
     except ImportError:
         raise PolspecError(f"hf:{name} needs the datasets package: pip install 'polspec[hf]'") from None
-    repo, _, split = name.partition(":")
+    repo, split = _hf_repo_and_split(name)
     try:
-        rows = datasets.load_dataset(repo, split=split or HF_DEFAULT_SPLIT, streaming=True)
+        rows = datasets.load_dataset(repo, split=split, streaming=True)
     except Exception as error:  # the hub client raises many kinds (offline, not found, gated)
         raise PolspecError(f"hf:{name}: cannot load it: {error}") from None
     return parse_items(_hugging_face_rows(name, rows, limit), f"hf:{name}", base)

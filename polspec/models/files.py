@@ -98,8 +98,8 @@ def fetch_model(entry: ModelEntry, progress: ProgressFn = no_progress) -> Path:
         return source.path
     # Imported once, the pinned bytes serve without their source: a GGUF file moved or deleted
     # after `polspec models import`, a wheel no longer cached.
-    if entry.sha256 and is_imported(entry.sha256.lower()):
-        return imported_dir(entry.sha256.lower())
+    if entry.sha256 and is_imported(entry.sha256):
+        return imported_dir(entry.sha256)
     if isinstance(source, GgufSource):
         return import_gguf_file(source.path, entry.sha256, progress)
     assert isinstance(source, WheelSource)
@@ -117,7 +117,7 @@ def cached_path(entry: ModelEntry) -> Path | None:
             return None
     if isinstance(source, DirSource):
         return source.path if (source.path / "config.json").exists() else None
-    sha256 = entry.sha256.lower() if entry.sha256 else None
+    sha256 = entry.sha256
     if sha256 is None and isinstance(source, WheelSource):
         blob = cached_blob(source)
         sha256 = blob_sha256(blob) if blob else None

@@ -129,6 +129,8 @@ def parse_registry(text: str, where: str) -> Registry:
     for alias, table in data.get("models", {}).items():
         _check_keys(where, f"models.{alias}", table, MODEL_KEYS)
         table = dict(table, eos_tokens=tuple(table.get("eos_tokens", ())))
+        if "sha256" in table:  # the cache names an import by its lowercase hash
+            table["sha256"] = table["sha256"].lower()
         table.setdefault("architecture", "")
         table.setdefault("tokenizer_family", alias)
         vocab = table.get("draft_vocab")
