@@ -27,6 +27,7 @@ from polspec.cli import main
 from polspec.cli.db import db
 from polspec.cli.results import _window_line
 from polspec.errors import DatabaseFailure, PolspecError
+from polspec.jobs.control import cancel
 from polspec.store.engine import display_url, make_engine, session_scope, sqlite_file
 from polspec.store.energy_windows import close_energy_window, open_energy_window
 from polspec.store.items import Worker, claim_item, database_id, finish_item, settle_batch
@@ -528,6 +529,35 @@ def test_two_workers_finishing_a_batch_s_last_items_at_once_leave_it_done(engine
     finishing.join()
     with session_scope(engine) as session:
         assert session.get(Batch, batch.id).status == "done"
+
+
+def test_cancelling_a_batch_while_a_worker_claims_its_first_item_deadlocks_neither(engine: Engine) -> None:
+    """A claim locks its item, then marks the batch running. On PostgreSQL a cancel that wrote
+    the batch first and then waited for the queued items took the locks the other way round:
+    "deadlock detected", and one of the two failed."""
+    with session_scope(engine) as session:
+        batch = new_batch(session)
+        first, second = new_item(session, batch, "a").id, new_item(session, batch, "b").id
+    cancelled: list[object] = []
+
+    def cancel_batch() -> None:
+        try:
+            cancelled.append(cancel(engine, None, batch.id))
+        except Exception as error:  # the deadlock's loser, reported below
+            cancelled.append(error)
+
+    cancelling = threading.Thread(target=cancel_batch)
+    with session_scope(engine) as session:  # claim_item of the first item, held open while cancel runs
+        item = session.scalar(select(Item).where(Item.id == first).with_for_update())
+        cancelling.start()
+        cancelling.join(timeout=2)  # cancel now waits for this transaction's locks
+        item.status = "running"
+        item.batch.status = "running"
+    cancelling.join()
+    assert cancelled == [(1, False)]
+    with session_scope(engine) as session:
+        assert session.get(Batch, batch.id).status == "cancelled"
+        assert [session.get(Item, first).status, session.get(Item, second).status] == ["running", "cancelled"]
 
 
 def test_readonly_engine_refuses_writes(engine: Engine) -> None:

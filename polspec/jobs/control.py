@@ -120,12 +120,13 @@ def cancel(engine: Engine, connection: redis.Redis | None, batch_id: int) -> tup
         if batch.status in (Status.DONE.value, Status.FAILED.value):
             raise PolspecError(f"batch {batch_id} has finished ({batch.status}); there is nothing to cancel")
         already = batch.status == Status.CANCELLED.value
+        # The items before the batch, in the order a claim locks them (its item, then the batch
+        # it marks running): the other order deadlocks with a claim on PostgreSQL. By condition,
+        # not by a list of ids, which for a sweep is more than SQLite takes in one statement.
+        ids = list(session.scalars(
+            update(Item).where(Item.batch_id == batch_id, Item.status == Status.QUEUED.value)
+            .values(status=Status.CANCELLED.value, finished_at=utcnow()).returning(Item.id)))
         batch.status = Status.CANCELLED.value
-        queued = (Item.batch_id == batch_id, Item.status == Status.QUEUED.value)
-        ids = list(session.scalars(select(Item.id).where(*queued)))
-        # By the same condition, not by the ids: a list of a sweep's hundreds of thousands of ids
-        # is more than SQLite takes in one statement.
-        session.execute(update(Item).where(*queued).values(status=Status.CANCELLED.value, finished_at=utcnow()))
     if connection is not None and ids:
         db_id = database_id(engine)
         delete_jobs(connection, [job_id(db_id, item_id) for item_id in ids])
