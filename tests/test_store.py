@@ -531,6 +531,25 @@ def test_two_workers_finishing_a_batch_s_last_items_at_once_leave_it_done(engine
         assert session.get(Batch, batch.id).status == "done"
 
 
+def test_a_generated_nul_character_does_not_lose_the_result(engine: Engine) -> None:
+    """A byte-level tokenizer decodes its token for byte 0 to U+0000, which PostgreSQL's text and
+    JSON refuse: the result was lost and its item failed. It is stored with U+FFFD, counted."""
+    with session_scope(engine) as session:
+        item_id = new_item(session, new_batch(session), "a").id
+    me = Worker("host", 1)
+    claim_item(engine, item_id, me)
+    result = new_result(Item(id=item_id))
+    result.text, result.token_ids = "Wisła\0 płynie\0", [1, 0, 2, 0]
+    result.metrics = result.metrics | {"spans": [["Wisła\0", True], [" płynie\0", False]]}
+    assert finish_item(engine, item_id, me, result)
+    with session_scope(engine) as session:
+        stored = session.scalar(select(Result).where(Result.item_id == item_id))
+        assert (stored.text, stored.token_ids) == ("Wisła\ufffd płynie\ufffd", [1, 0, 2, 0])
+        assert stored.metrics["spans"] == [["Wisła\ufffd", True], [" płynie\ufffd", False]]
+        assert (stored.metrics["nul_replaced"], stored.metrics["rounds"]) == (2, 3)
+        assert session.get(Item, item_id).status == "done"
+
+
 def test_cancelling_a_batch_while_a_worker_claims_its_first_item_deadlocks_neither(engine: Engine) -> None:
     """A claim locks its item, then marks the batch running. On PostgreSQL a cancel that wrote
     the batch first and then waited for the queued items took the locks the other way round:

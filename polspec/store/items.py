@@ -25,6 +25,7 @@ from polspec.store.schema import Batch, Item, Meta, Result, Status, utcnow
 
 DEFAULT_LEASE_S = 60.0
 UNFINISHED = (Status.QUEUED.value, Status.RUNNING.value)
+NUL_STAND_IN = "\ufffd"  # what a stored result has for U+0000 (see without_nul)
 
 
 @dataclass(frozen=True)
@@ -168,12 +169,27 @@ def finish_item(engine: Engine, item_id: int, me: Worker, result: Result) -> boo
         if session.scalar(select(Result.id).where(Result.item_id == item_id)) is not None:
             return False
         result.item_id = item_id
-        session.add(result)
+        session.add(without_nul(result))
         item.status = Status.DONE.value
         item.finished_at = utcnow()
         item.last_error = None
         settle_batch(session, item.batch)
         return True
+
+
+def without_nul(result: Result) -> Result:
+    """``result`` with each U+0000 in its text and draft spans replaced by U+FFFD, on every
+    backend, and how many in its metrics (``nul_replaced``); its ``token_ids`` keep what was
+    generated. A byte-level tokenizer decodes its token for byte 0 to U+0000, which
+    PostgreSQL's text and JSON types refuse: the result would be lost and its item failed."""
+    count = result.text.count("\0")
+    if count:
+        result.text = result.text.replace("\0", NUL_STAND_IN)
+        result.metrics = result.metrics | {"nul_replaced": count}
+        if "spans" in result.metrics:
+            result.metrics["spans"] = [[text.replace("\0", NUL_STAND_IN), accepted]
+                                       for text, accepted in result.metrics["spans"]]
+    return result
 
 
 def fail_item(engine: Engine, item_id: int, me: Worker, reason: str, *, final: bool,
