@@ -20,7 +20,8 @@ at the start of the next round while a slot is free; a finished (or :meth:`remov
 Lossless per sequence, as the single-sequence decoders: every committed token is the
 target's own choice at its position (greedy, or sampled with the sequence's own sampler and
 seed, or accepted by speculative sampling with draws keyed by the sequence's seed), so a sequence's output does not depend on what else the batch holds, up to float
-rounding of batched matrix products (ties, shown by the tests).
+rounding of batched matrix products (ties, shown by the tests); sampled output so only for a
+fixed ``k``, as ``k = auto`` rows share one draft length a round.
 """
 
 from __future__ import annotations

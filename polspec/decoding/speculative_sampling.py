@@ -26,8 +26,9 @@ have split the text otherwise.
 ``p`` and ``q`` are both the sampler's distribution (:func:`~polspec.decoding.sampling.sampling_probabilities`:
 top-p, top-k, temperature), ``q`` over the shared vocabulary of the draft's output layer
 (pruned or full). Random draws are keyed by the sequence's seed and position
-(:func:`~polspec.decoding.sampling.position_key`), so a sequence samples the same tokens
-alone or in any batch.
+(:func:`~polspec.decoding.sampling.position_key`), so a sequence with a fixed ``k`` samples
+the same tokens alone or in any batch (under ``k = auto`` its rounds end where the acceptance
+seen so far says, and a position drawn as a candidate in one run may be the bonus in another).
 """
 
 from __future__ import annotations
