@@ -86,6 +86,19 @@ def test_a_draw_in_proportion_follows_the_weights_and_never_draws_a_zero_weight(
     assert np.array(draw_in_proportion(mx.zeros((2, 6)), mx.random.key(1))).tolist() == [5, 5]
 
 
+def test_a_draw_in_proportion_reaches_the_tail_of_a_large_vocabulary():
+    """A million tokens each 2**-24 as likely as a leading one hold 6% of the mass. Summed in
+    float32 after the leader they added nothing, and were never drawn."""
+    tail = 2**20
+    weights = mx.concatenate([mx.array([1.0]), mx.full((tail,), 2.0**-24)])
+    drawn = np.concatenate([np.array(draw_in_proportion(mx.broadcast_to(weights, (16, tail + 1)), mx.random.key(seed)))
+                            for seed in range(20)])
+    in_tail = tail * 2.0**-24 / (1 + tail * 2.0**-24)
+    observed, expected = np.array([(drawn == 0).sum(), (drawn > 0).sum()]), len(drawn) * np.array([1 - in_tail, in_tail])
+    assert ((observed - expected) ** 2 / expected).sum() < chi_square_critical(1), observed
+    assert drawn.max() > tail // 2  # the far end of the tail too
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("top_p", [0.5, 0.9, 0.95])
 def test_the_nucleus_is_mlx_lms_whether_or_not_the_bounded_sort_holds_it(gemma3, top_p):
