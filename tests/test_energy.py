@@ -5,9 +5,11 @@ from __future__ import annotations
 import multiprocessing
 import os
 import shutil
+import sys
 import tempfile
+from importlib.machinery import ModuleSpec
 from pathlib import Path
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 
 import pytest
 
@@ -26,7 +28,7 @@ def zone(root: Path, name: str, energy: int, wrap: int = 2**32) -> Path:
 def test_rapl_sums_package_zones_and_ignores_sub_zones(tmp_path):
     package0, package1 = zone(tmp_path, "intel-rapl:0", 5_000_000), zone(tmp_path, "intel-rapl:1", 1_000_000)
     zone(tmp_path, "intel-rapl:0:0", 42)  # the cores inside package 0: counted in the package already
-    meter, about = open_meter(tmp_path)
+    meter, about = open_meter(tmp_path, device="cpu")
     assert isinstance(meter, RaplMeter) and "RAPL" in about
     with measure_energy(meter, "unused") as (reading, _):
         (package0 / "energy_uj").write_text("7500000\n")
@@ -45,7 +47,7 @@ def test_rapl_counter_wraparound_is_added_back(tmp_path):
 def _open_as_nobody(root: str, answer) -> None:
     os.setgid(65534)
     os.setuid(65534)
-    meter, reason = open_meter(Path(root))
+    meter, reason = open_meter(Path(root), device="cpu")
     answer.put((meter is None, reason))
 
 
@@ -61,14 +63,14 @@ def test_unreadable_rapl_is_unavailable_with_the_reason():
         child.join(30)
         unavailable, reason = answer.get(timeout=5)
     else:
-        meter, reason = open_meter(root)
+        meter, reason = open_meter(root, device="cpu")
         unavailable = meter is None
     shutil.rmtree(root)
     assert unavailable and "energy_uj is not readable (RAPL is usually root-only)" in reason
 
 
 def test_no_meter_here_gives_a_reason_not_zero(tmp_path):
-    availability = detect_meter(tmp_path / "no-powercap")
+    availability = detect_meter(tmp_path / "no-powercap", device="cpu")
     assert availability.name is None and "no RAPL package zones" in availability.reason
     with measure_energy(None, availability.reason) as (reading, renew):
         renew()
@@ -154,3 +156,32 @@ def test_an_apple_window_whose_subsystems_all_go_unreported_is_unavailable_not_z
     with measure_energy(meter, "unused") as (reading, _):
         pass
     assert reading.joules is None and "reported none of cpu_total_mj" in reading.unavailable_reason
+
+
+def stand_in_nvml(millijoules: list[int]) -> ModuleType:
+    """pynvml for one GPU whose energy counter reads ``millijoules`` in turn (no NVIDIA driver here)."""
+    readings = iter(millijoules)
+    module = ModuleType("pynvml")
+    module.__spec__ = ModuleSpec("pynvml", None)
+    module.nvmlInit = lambda: None
+    module.nvmlDeviceGetCount = lambda: 1
+    module.nvmlDeviceGetHandleByIndex = lambda index: index
+    module.nvmlDeviceGetTotalEnergyConsumption = lambda handle: next(readings)
+    return module
+
+
+def test_the_meter_is_the_decoding_device_s(tmp_path, monkeypatch):
+    """An NVIDIA GPU beside a CPU run idles: its counter is not the run's energy, nor is the
+    CPU package's that of a run on the GPU."""
+    package = zone(tmp_path, "intel-rapl:0", 1_000_000)
+    monkeypatch.setitem(sys.modules, "pynvml", stand_in_nvml([10_000, 10_000, 12_500]))
+    gpu, _ = open_meter(tmp_path, device="gpu")
+    with measure_energy(gpu, "unused") as (reading, _):
+        pass
+    assert (reading.joules, reading.source) == (pytest.approx(2.5), "nvml")
+    cpu, _ = open_meter(tmp_path, device="cpu")
+    with measure_energy(cpu, "unused") as (reading, _):
+        (package / "energy_uj").write_text("4000000\n")
+    assert (reading.joules, reading.source) == (pytest.approx(3.0), "rapl")
+    none, reason = open_meter(tmp_path / "no-powercap", device="cpu")
+    assert none is None and "MLX decodes on the CPU here" in reason and "no RAPL package zones" in reason

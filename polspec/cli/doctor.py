@@ -89,7 +89,7 @@ def collect() -> dict:
     from polspec.worker.energy import detect_meter
 
     info = backend.setup()
-    meter = detect_meter()
+    meter = detect_meter(device=info.device)
     db_url = database_url()
     return {
         "platform": f"{platform.system()} {platform.release()} {platform.machine()}",

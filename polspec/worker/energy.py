@@ -127,15 +127,22 @@ class AppleMeter:
         return sum(reported) / 1e3
 
 
-def open_meter(powercap: Path = POWERCAP) -> tuple[Meter | None, str]:
-    """The first meter that can measure here and what it measures, or None and every reason."""
+def open_meter(powercap: Path = POWERCAP, *, device: str) -> tuple[Meter | None, str]:
+    """The first meter that can measure here the ``device`` MLX decodes on (``cpu`` or ``gpu``,
+    :func:`polspec.backend.setup`) and what it measures, or None and every reason. A meter of
+    the other device would record the energy of one that idles (an NVIDIA GPU beside a CPU
+    run) or miss the one that works (the CPU package under a CUDA run)."""
     candidates = []  # (module to import, package that provides it, meter factory, what it measures)
+    reasons = []
     if platform.system() == "Darwin":
         candidates.append(("zeus_apple_silicon", "zeus-apple-silicon", AppleMeter,
                            "zeus-apple-silicon (CPU, GPU, ANE, DRAM)"))
-    candidates.append(("pynvml", "nvidia-ml-py", NvmlMeter, "NVIDIA GPU energy counter through NVML"))
-    candidates.append((None, None, lambda: RaplMeter(powercap), "Linux RAPL package energy through powercap"))
-    reasons = []
+    if device == "gpu":
+        candidates.append(("pynvml", "nvidia-ml-py", NvmlMeter, "NVIDIA GPU energy counter through NVML"))
+        reasons.append("RAPL measures the CPU package, and MLX decodes on the GPU here")
+    else:
+        reasons.append("NVML measures NVIDIA GPUs, and MLX decodes on the CPU here")
+        candidates.append((None, None, lambda: RaplMeter(powercap), "Linux RAPL package energy through powercap"))
     for module, package, make, about in candidates:
         if module is not None and importlib.util.find_spec(module) is None:
             reasons.append(f"{package} is not installed")
@@ -149,9 +156,9 @@ def open_meter(powercap: Path = POWERCAP) -> tuple[Meter | None, str]:
     return None, "; ".join(reasons)
 
 
-def detect_meter(powercap: Path = POWERCAP) -> MeterAvailability:
-    """The energy meter usable on this machine, or the reason there is none."""
-    meter, about = open_meter(powercap)
+def detect_meter(powercap: Path = POWERCAP, *, device: str) -> MeterAvailability:
+    """The energy meter usable on this machine for ``device``, or the reason there is none."""
+    meter, about = open_meter(powercap, device=device)
     return MeterAvailability(meter.name if meter else None, about)
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from rq import Queue
 
+from polspec import backend
 from polspec.jobs.control import Requeued, recover
 from polspec.jobs.queue import connect, queue_name
 from polspec.models.registry import load_registry
@@ -66,7 +67,7 @@ def run_worker(options: WorkerOptions, *, on_start: Callable[[Requeued, list[str
     require_current_schema(db_url)
     engine = make_engine(db_url)
     me = Worker.this_process()
-    meter, meter_reason = open_meter()
+    meter, meter_reason = open_meter(device=backend.setup().device)
     context.install(context.WorkerContext(engine, database_id(engine), ModelCache(), me, meter, meter_reason,
                                           options.lease_s))
     try:
