@@ -225,6 +225,8 @@ BAD_LINES = [
     ('{"id": "a\\u0000", "prompt": "x"}', "p.jsonl:2: the id holds a NUL character"),
     ('{"id": "a", "messages": [{"role": "user", "content": "\\u0000"}]}',
      "p.jsonl:2: messages[0].content holds a NUL character"),
+    # A line break in an id split its row of the results list in two.
+    ('{"id": "a\\nb", "prompt": "x"}', "p.jsonl:2: the id may not hold a line break or other control character"),
     ('{"id": "a", "messages": [{"role": "robot", "content": "Cześć"}]}',
      "p.jsonl:2: messages[0].role is 'robot'; it must be one of system, user, assistant"),
     ('{"id": "a", "messages": [{"role": "system", "content": "Mów po polsku."}, '

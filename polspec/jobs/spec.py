@@ -196,6 +196,8 @@ def parse_item(data: Any, where: str, base: DecodingParams) -> ItemInput:
         check_text(str(key), "the id")
     except PolspecError as error:
         raise PolspecError(f"{where}: {error}") from None
+    if has_control_characters(str(key)):  # a line break would split the id's row in results list
+        raise PolspecError(f"{where}: the id may not hold a line break or other control character, got {key!r}")
     prompt, messages = data.get("prompt"), data.get("messages")
     if (prompt is None) == (messages is None):
         raise PolspecError(f"{where}: give exactly one of 'prompt' or 'messages'")
