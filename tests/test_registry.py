@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -55,6 +56,14 @@ def test_user_file_adds_and_overrides(isolated_home):
     assert registry.model("gemma3-270m").source == "gguf:/elsewhere/gemma.gguf"
     assert registry.model("mine").tokenizer_family == "mine"
     assert registry.model("smollm2-135m").sha256  # built-ins stay
+
+
+def test_models_show_gives_an_entry_s_own_draft_vocabulary(isolated_home):
+    isolated_home.mkdir(parents=True)
+    (isolated_home / "models.toml").write_text('[models.mine]\nsource = "dir:/models/mine"\ndraft_vocab = 4096\n')
+    shown = {alias: json.loads(CliRunner().invoke(main, ["models", "show", alias, "--json"]).output)["draft_vocab"]
+             for alias in ("mine", "smollm2-135m")}
+    assert shown == {"mine": 4096, "smollm2-135m": "auto"}
 
 
 @pytest.mark.slow

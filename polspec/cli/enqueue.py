@@ -54,7 +54,7 @@ def generate(input_path: str | None, dataset: str | None, limit: int | None, nam
     Examples:
       polspec enqueue generate --dataset pl-short --limit 12 --draft smollm2-135m
       polspec enqueue generate --input prompts.jsonl --target qwen2.5-coder-1.5b --draft smollm2-135m --name run1
-      cat prompts.jsonl | polspec enqueue generate --input - --json
+      cat prompts.jsonl | polspec enqueue generate --input - --target qwen2.5-coder-1.5b --json
     """
     from polspec.jobs.enqueue import enqueue_generate
     from polspec.jobs.spec import GenerateSpec, parse_jsonl
@@ -115,8 +115,8 @@ def sweep(config_path: Path, as_json: bool) -> None:
     target-only baseline per dataset (and seed, temperature and batch size), interleaved prompt by
     prompt so machine drift hits all alike.
 
-    The file (TOML) names a target and may set: name, drafts, strategies, k, prefix, datasets,
-    limit, max_tokens, temperature or temperatures, verify, top_p, top_k, partial_word,
+    The file (TOML) names a target, its drafts and its datasets, and may set: name, strategies,
+    k, prefix, limit, max_tokens, temperature or temperatures, verify, top_p, top_k, partial_word,
     draft_vocab, seeds, repeats, batch and raw; README.md ("Evaluation sweeps") says what each
     means.
 

@@ -149,6 +149,7 @@ def show(alias: str, as_json: bool) -> None:
     row["sha256"] = entry.sha256
     if isinstance(entry, ModelEntry):
         row["eos_tokens"] = list(entry.eos_tokens)
+        row["draft_vocab"] = entry.draft_vocab or "auto"  # what a run uses unless it says otherwise
         if row["path"] and (Path(row["path"]) / "config.json").exists():
             from polspec.models.files import model_config
 
