@@ -75,7 +75,7 @@ def oracle_fidelity(
         done = len(target.text(committed))
         proposal = _perfect_proposal(draft, draft_ids, full[done - len(lag):] if lag else full[done:], k)
         translation = translate_draft_to_target(strategy, draft, target, proposal, committed, prefix, 2 * k + 2,
-                                                partial_word=partial_word)
+                                                lag=lag, partial_word=partial_word)
         expected = truth[len(committed):]
         n = 0
         while n < len(translation.candidates) and n < len(expected) and translation.candidates[n] == expected[n]:
