@@ -230,6 +230,14 @@ def test_concurrent_ensure_schema_migrates_once(db_url: str) -> None:
     assert revisions == [head_revision()] * 4
 
 
+def test_concurrent_upgrades_each_tell_the_revision_they_found(db_url: str) -> None:
+    """What ``polspec db upgrade`` prints: one process migrated, the others found it done (each
+    said it had upgraded from empty when the revision was read before the migration lock)."""
+    with multiprocessing.get_context("spawn").Pool(3) as pool:
+        found = pool.map(upgrade, [db_url] * 3)
+    assert sorted(found, key=str) == [head_revision(), head_revision(), None]
+
+
 def test_require_current_schema_refuses_an_out_of_date_database(db_url: str) -> None:
     shown = display_url(db_url)
     path = sqlite_file(make_url(db_url))

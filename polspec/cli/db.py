@@ -35,8 +35,7 @@ def upgrade_command() -> None:
       polspec db upgrade
       POLSPEC_DB_URL=sqlite:////data/polspec.db polspec db upgrade
     """
-    before = current_revision()
-    upgrade()
+    before = upgrade()
     after = current_revision()
     if before == after:
         click.echo(f"{display_url()}: already at revision {after}")

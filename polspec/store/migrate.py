@@ -69,15 +69,20 @@ def _revision_and_other_tables(url: str | None) -> tuple[str | None, list[str]]:
         engine.dispose()
 
 
-def upgrade(url: str | None = None, revision: str = "head") -> None:
-    """Upgrade the database to ``revision``; an up-to-date database is left as it is."""
+def upgrade(url: str | None = None, revision: str = "head") -> str | None:
+    """Upgrade the database to ``revision``; an up-to-date database is left as it is. Returns
+    the revision it was at, read under the migration lock (another process may have upgraded
+    it between a read before and this call)."""
     with migrating(url) as connection:
-        _require_known(connection, url)
+        before = _require_known(connection, url)
         command.upgrade(alembic_config(connection), revision)
+        return before
 
 
 def downgrade(url: str | None, revision: str) -> None:
-    """Downgrade the database to ``revision`` (``"base"`` drops every table)."""
+    """Downgrade the database to ``revision`` (``"base"`` drops every table), for development:
+    what the later revisions added goes with their data (energy windows, sweep cells, batch
+    sizes, the database's id), and no command offers it."""
     with migrating(url) as connection:
         _require_known(connection, url)
         command.downgrade(alembic_config(connection), revision)
@@ -214,10 +219,12 @@ def is_newer_than_polspec(revision: str | None) -> bool:
     return revision is not None and not any(known.revision == revision for known in script.walk_revisions())
 
 
-def _require_known(connection: Connection, url: str | None) -> None:
+def _require_known(connection: Connection, url: str | None) -> str | None:
+    """The database's revision, refused if this polspec does not know it."""
     current = MigrationContext.configure(connection).get_current_revision()
     if is_newer_than_polspec(current):
         raise _unknown_revision(current, url)
+    return current
 
 
 def newer_schema(revision: str) -> str:
