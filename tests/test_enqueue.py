@@ -208,7 +208,7 @@ BAD_LINES = [
     ('{"id": 1.5, "prompt": "x"}', "p.jsonl:2: every line needs an 'id' (a non-empty string or a whole number)"),
     ('{"id": "a", "prompt": "x", "k": 0}', "p.jsonl:2: k must be between 1 and 16, got 0"),
     ('{"id": "a", "prompt": "x", "top_p": 1.5}', "p.jsonl:2: top_p must be in (0, 1], got 1.5"),
-    ('{"id": "a", "prompt": "x", "temperature": "hot"}', "p.jsonl:2:"),
+    ('{"id": "a", "prompt": "x", "temperature": "hot"}', "p.jsonl:2: temperature must be a number, got 'hot'"),
     ('{"id": "a", "messages": [{"role": "user"}]}', "p.jsonl:2: messages[0] must be an object"),
     ('["a", "x"]', "p.jsonl:2: expected a JSON object, got an array"),
     ("null", "p.jsonl:2: expected a JSON object, got null"),

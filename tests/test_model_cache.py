@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,8 @@ from polspec.models.files import IMPORT_FORMAT, imported_dir, import_gguf_file
 from polspec.models.registry import load_registry
 from polspec.models.sources import parse_source
 from polspec.settings import models_dir
+
+from helpers import wait_for
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +35,7 @@ def test_an_import_waits_for_the_one_in_progress_and_keeps_what_it_made(isolated
         second = threading.Thread(target=lambda: imported.append(import_gguf_file(
             gguf_file, sha256, lambda doing, done, total: waited_on.append(doing))))
         second.start()
-        time.sleep(0.5)  # the second one reaches the lock; were it not to wait, it would import now
+        wait_for(lambda: waited_on, 120, "the second import to wait for the lock")  # hashing the file first
         dest.mkdir(parents=True)
         (dest / "polspec-import.json").write_text(json.dumps({"format": IMPORT_FORMAT}))  # the first one's import
         in_use = (dest / "polspec-import.json").stat().st_ino

@@ -467,10 +467,11 @@ class ClockMeter:
 def test_a_batch_that_decoded_an_item_it_did_not_keep_is_no_cell_energy(env, monkeypatch):
     """An item past its job's timeout leaves the batch without a result; the energy window
     still counts its tokens, so the kept result's share of the joules is not a measurement."""
-    monkeypatch.setattr(worker_run, "open_meter", lambda: (ClockMeter(), "a clock at 10 W"))
-    code, output = cli(env, "enqueue", "generate", "--dataset", "pl-instruct", "--limit", "2", "--target",
-                       "smollm2-135m", "--max-tokens", "40", "--raw", "--json")
-    assert code == 0, output
+    monkeypatch.setattr(worker_run, "open_meter", lambda device: (ClockMeter(), "a clock at 10 W"))
+    for max_tokens in ("2000", "40"):  # the first one cannot finish within its timeout, at any speed
+        code, output = cli(env, "enqueue", "generate", "--dataset", "pl-instruct", "--limit", "1", "--target",
+                           "smollm2-135m", "--max-tokens", max_tokens, "--raw", "--json")
+        assert code == 0, output
     jobs = Queue(queue_name("smollm2-135m"), connection=redis.Redis.from_url(env["POLSPEC_REDIS_URL"]),
                  serializer=JSONSerializer).get_jobs()
     jobs[0].timeout, jobs[0].retries_left = 1, 0  # fails for good when it times out: one batch holds both
@@ -495,7 +496,7 @@ def test_batched_worker_gives_the_texts_of_one_at_a_time(tmp_path, redis_url, mo
     """Target-only and speculative items in one queue, finishing at different rounds (their own
     max_tokens), decoded by --batch 4 and by --batch 1 into two databases: the same texts.
     With a meter, --batch 1 measures each item and --batch 4 each batch as a whole."""
-    monkeypatch.setattr(worker_run, "open_meter", lambda: (ClockMeter(), "a clock at 10 W"))
+    monkeypatch.setattr(worker_run, "open_meter", lambda device: (ClockMeter(), "a clock at 10 W"))
     rows = [{"id": f"q{i}", "prompt": prompt, "max_tokens": 4 + 3 * (i % 3)} for i, prompt in enumerate(PROMPTS[:6])]
     source = tmp_path / "prompts.jsonl"
     source.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")

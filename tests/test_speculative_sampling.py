@@ -152,9 +152,8 @@ def test_draws_depend_on_seed_and_position_only():
     q = mx.full((2, 50), 1 / 50)
     same = [np.array(speculative_choices(logits, [1, 2], q, params, seed=3, position=7)) for _ in range(2)]
     assert (same[0] == same[1]).all()
-    others = [np.array(speculative_choices(logits, [1, 2], q, params, seed=s, position=p)) for s, p in [(4, 7), (3, 8)]
-              for _ in range(4)]
-    assert any((other != same[0]).any() for other in others)
+    for seed, position in [(4, 7), (3, 8)]:  # another seed, another position: each alone changes the draws
+        assert (np.array(speculative_choices(logits, [1, 2], q, params, seed=seed, position=position)) != same[0]).any()
 
 
 @pytest.mark.slow

@@ -43,6 +43,7 @@ from polspec.store.migrate import (
 from polspec.store.queries import batch_progress, item_detail, item_rows, run_sql
 from polspec.store.schema import Batch, Cell, EnergyWindow, Item, Result, metadata, utcnow
 from conftest import sqlite_url
+from helpers import wait_for
 
 TABLES = {"batches", "cells", "items", "results", "energy_windows", "polspec_meta", "alembic_version"}
 
@@ -516,6 +517,19 @@ def test_foreign_keys_are_enforced_and_deletes_cascade(engine: Engine) -> None:
         assert session.scalar(select(func.count()).select_from(Result)) == 0
 
 
+def wait_until_blocked(engine: Engine, thread: threading.Thread) -> None:
+    """Wait until ``thread`` waits for a lock this test's open transaction holds: on PostgreSQL
+    until the server shows a lock not granted; SQLite shows none, and its writer waits out
+    its busy timeout, so there two seconds."""
+    if engine.dialect.name == "postgresql":
+        with engine.connect() as connection:
+            wait_for(lambda: connection.scalar(text("SELECT count(*) FROM pg_locks WHERE NOT granted")) > 0, 30,
+                     "the other transaction to wait for a lock")
+    else:
+        thread.join(timeout=2)
+    assert thread.is_alive()
+
+
 def test_two_workers_finishing_a_batch_s_last_items_at_once_leave_it_done(engine: Engine) -> None:
     """Each finish settles the batch by its items' statuses. On PostgreSQL (read committed) two
     finishes at once each saw the other's item still running and left the batch running for
@@ -533,7 +547,7 @@ def test_two_workers_finishing_a_batch_s_last_items_at_once_leave_it_done(engine
         item.status = "done"
         settle_batch(session, item.batch)
         finishing.start()
-        finishing.join(timeout=2)  # without the wait it finishes here, reading the first item running
+        wait_until_blocked(engine, finishing)  # without the wait it finishes here, reading the first item running
     finishing.join()
     with session_scope(engine) as session:
         assert session.get(Batch, batch.id).status == "done"
@@ -577,7 +591,7 @@ def test_cancelling_a_batch_while_a_worker_claims_its_first_item_deadlocks_neith
     with session_scope(engine) as session:  # claim_item of the first item, held open while cancel runs
         item = session.scalar(select(Item).where(Item.id == first).with_for_update())
         cancelling.start()
-        cancelling.join(timeout=2)  # cancel now waits for this transaction's locks
+        wait_until_blocked(engine, cancelling)  # cancel now waits for this transaction's locks
         item.status = "running"
         item.batch.status = "running"
     cancelling.join()

@@ -641,7 +641,7 @@ def test_a_dataset_line_that_sets_decoding_options_is_refused_by_a_sweep(tmp_pat
         expand_sweep(config(datasets=[str(path)]), "test.toml")
 
 
-def test_datasets_from_jsonl_files_and_a_clear_error_for_hf_without_the_package(tmp_path):
+def test_datasets_from_jsonl_files_and_a_clear_error_for_hf_without_the_package(tmp_path, monkeypatch):
     from polspec.decoding.params import DecodingParams
     from polspec.jobs.datasets import load_dataset
 
@@ -649,11 +649,9 @@ def test_datasets_from_jsonl_files_and_a_clear_error_for_hf_without_the_package(
     path.write_text('{"id": "x", "prompt": "Zażółć gęślą jaźń"}\n', encoding="utf-8")
     plan = expand_sweep(config(datasets=[str(path)]), "test.toml")
     assert {item.item.prompt for item in plan.items} == {"Zażółć gęślą jaźń"}
-    try:
-        import datasets  # noqa: F401
-    except ImportError:
-        with pytest.raises(PolspecError, match=r"hf:speakleash/x needs the datasets package: pip install 'polspec\[hf\]'"):
-            load_dataset("hf:speakleash/x", DecodingParams())
+    monkeypatch.setitem(sys.modules, "datasets", None)  # not installed, whether or not it is here
+    with pytest.raises(PolspecError, match=r"hf:speakleash/x needs the datasets package: pip install 'polspec\[hf\]'"):
+        load_dataset("hf:speakleash/x", DecodingParams())
 
 
 @pytest.mark.slow
