@@ -33,7 +33,7 @@ from polspec.jobs import sweep as sweep_module
 from polspec.jobs.sweep import expand_sweep, load_sweep
 from polspec.report.render import markdown
 from polspec.report.summary import (CellKey, Pair, Row, SweepReport, Window, cell_row, joules_per_token, mean_interval,
-                                    predicted_speedup_of_cell, sweep_report)
+                                    predicted_speedup_of_cell, row_order, sweep_report)
 from polspec.report.summary import headline as summary_headline
 from polspec.store.engine import make_engine, session_scope
 from polspec.store.migrate import upgrade
@@ -388,6 +388,16 @@ def test_headline_picks_the_fastest_cell_compares_auto_per_pair_and_finds_the_wo
     assert "| 1.10x | 1.00x | - |" in markdown(report)
     rows[1] = dataclasses.replace(rows[1], never_pays=True)
     assert "| 1.20x | 1.26x | never |" in markdown(report)
+
+
+def test_rows_order_k_by_number_and_the_headline_names_a_batch_size():
+    """k up to 16 sorted as text put k = 12 between 1 and 2; and a headline that ranks rows of
+    every batch size credited a batch's gain to draft, strategy and k."""
+    keys = [CellKey("pl-wiki", "gemma3-270m", "aligned", k, 5, 1) for k in ("auto", "12", "2", "heuristic", "1")]
+    assert [key.k for key in sorted(keys, key=row_order)] == ["1", "2", "12", "auto", "heuristic"]
+    rows = [report_row("gemma3-270m", "aligned", "2", 0.98), report_row("gemma3-270m", "aligned", "2", 1.04, batch=4)]
+    report = SweepReport(1, "offline", "qwen2.5-coder-1.5b", "done", 4, 4, rows, {}, [])
+    assert "- **pl-wiki**: fastest: gemma3-270m aligned k=2 B=4 at 1.04x." in markdown(report)
 
 
 def test_repeats_of_a_prompt_are_averaged_before_the_interval_over_prompts():

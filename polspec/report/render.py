@@ -32,11 +32,12 @@ def _speedup(row: Row) -> str:
 
 
 def _cell(row: Row) -> str:
-    """A row in words: draft, strategy, k, a prefix other than the default, and temperature and
-    verify when it samples."""
+    """A row in words: draft, strategy, k, a prefix other than the default, temperature and
+    verify when it samples, and a batch size above 1 (the headline ranks rows of every size)."""
     prefix = f" prefix={row.prefix}" if row.custom_prefix else ""
     sampling = f" T={row.temperature:g} verify={row.verify}" if row.temperature else ""
-    return f"{row.draft} {row.strategy} k={row.k}{prefix}{sampling}"
+    batch = f" B={row.batch}" if row.batch != 1 else ""
+    return f"{row.draft} {row.strategy} k={row.k}{prefix}{sampling}{batch}"
 
 
 def _headline(headline: Headline) -> str:

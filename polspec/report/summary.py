@@ -112,7 +112,7 @@ class Pair(NamedTuple):
     temperature: float = 0.0
 
 
-@dataclass(frozen=True, order=True)
+@dataclass(frozen=True)
 class CellKey:
     """What makes a report row: a speculative cell's grid point short of its seed."""
 
@@ -124,6 +124,13 @@ class CellKey:
     batch: int
     temperature: float = 0.0
     verify: str = "auto"  # the cell's setting; greedy rounds verify by exact match whatever it says
+
+
+def row_order(key: CellKey) -> tuple:
+    """The order of a report's rows: a cell key's fields in turn, but k numbers in numeric order
+    (k = 12 after k = 2), then the policies by name."""
+    k = (0, int(key.k), "") if key.k.isdigit() else (1, 0, key.k)
+    return (key.dataset, key.draft, key.strategy, k, key.prefix, key.batch, key.temperature, key.verify)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -317,7 +324,7 @@ def sweep_report(engine: Engine, batch_id: int) -> SweepReport:
     probes = {draft: load_probe(target, draft) for draft in {key.draft for key in groups}}
     report_rows = [cell_row(key, members, baseline, probes[key.draft], aggregate.get(key),
                             aggregate.get((key.dataset, None, key.batch, key.temperature)), windows)
-                   for key, members in sorted(groups.items())]
+                   for key, members in sorted(groups.items(), key=lambda group: row_order(group[0]))]
     missing = sorted(draft for draft, found in probes.items() if found is None)
     return SweepReport(batch_id, name, target, status, counts.get(Status.DONE, 0), sum(counts.values()),
                        report_rows, probes, missing,
