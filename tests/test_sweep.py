@@ -364,7 +364,8 @@ def report_row(draft: str, strategy: str, k: str, speedup: float | None, predict
     empty = dict.fromkeys(["acceptance_per_candidate", "acceptance_per_draft_token", "tokens_per_round", "tokens_per_s",
                            "baseline_tokens_per_s", "speedup_low", "speedup_high", "aggregate_tokens_per_s",
                            "aggregate_speedup", "joules_per_token", "translation_overhead", "break_even_acceptance"])
-    return Row("pl-wiki", draft, strategy, k, 5, batch, prompts=20, speedup=speedup, predicted_speedup=predicted, **empty)
+    return Row("pl-wiki", draft, strategy, k, 5, batch, prompts=20, paired_prompts=20, speedup=speedup,
+               predicted_speedup=predicted, **empty)
 
 
 def test_headline_picks_the_fastest_cell_compares_auto_per_pair_and_finds_the_worst_prediction():
@@ -413,6 +414,19 @@ def test_repeats_of_a_prompt_are_averaged_before_the_interval_over_prompts():
     assert row.prompts == 2
     assert (row.speedup, row.speedup_high) == pytest.approx((1.25, 1.25 + half))
     assert 1.25 - half < 0 and row.speedup_low == 0.0  # two prompts: the t-interval reaches below any ratio
+
+
+def test_a_cell_counts_the_prompts_behind_its_speedup():
+    """A prompt whose baseline failed has no speedup: the row says how many prompts the speedup
+    is over, not only how many the cell has."""
+    def result(tokens_per_s: float) -> Result:
+        return Result(decode_tokens_per_s=tokens_per_s, metrics={"generated_tokens": 8, "rounds": 4})
+
+    members = [(Pair("pl-wiki", 0, 1, "a", 0), result(3.0)), (Pair("pl-wiki", 0, 1, "b", 0), result(1.0))]
+    row = cell_row(CellKey("pl-wiki", "gemma3-270m", "aligned", "2", 5, 1), members, {members[0][0]: 2.0}, None)
+    assert (row.prompts, row.paired_prompts, row.speedup) == (2, 1, 1.5)
+    report = SweepReport(1, "offline", "qwen2.5-coder-1.5b", "done", 3, 4, [row], {}, [])
+    assert "| gemma3-270m | aligned | 2 | 1/2 |" in markdown(report)
 
 
 def test_the_interval_of_close_ratios_is_the_t_interval():

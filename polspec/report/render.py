@@ -31,6 +31,11 @@ def _speedup(row: Row) -> str:
     return f"{row.speedup:.2f}x ({row.speedup_low:.2f}-{row.speedup_high:.2f})"
 
 
+def _prompts(row: Row) -> str:
+    """The cell's prompts; where fewer have a finished baseline, the speedup's first (15/20)."""
+    return f"{row.prompts}" if row.paired_prompts == row.prompts else f"{row.paired_prompts}/{row.prompts}"
+
+
 def _cell(row: Row) -> str:
     """A row in words: draft, strategy, k, a prefix other than the default, temperature and
     verify when it samples, and a batch size above 1 (the headline ranks rows of every size)."""
@@ -59,9 +64,11 @@ def markdown(report: SweepReport) -> str:
     lines = [f"# Sweep {report.batch_id}: {report.name}", "",
              f"Target `{report.target}`, status {report.status}, {report.done:,} of {report.total:,} generations "
              "done. Speedup is speculative tokens/s over the "
-             "target-only baseline on the same prompt, mean over prompts with its 95% interval; "
+             "target-only baseline on the same prompt, mean over prompts with its 95% interval (prompts "
+             "15/20: 15 of the cell's 20 prompts have a finished baseline, and the speedup is theirs); "
              "predicted speedup comes from the probe (`polspec models probe`) of the machine that ran each "
-             "result, or this machine's where a result recorded none, at the cell's batch size. Break-even "
+             "result, or this machine's where a result recorded none this polspec can use, at the cell's "
+             "batch size (batch 1's costs where the probe has no batch table). Break-even "
              "acceptance is this machine's, per candidate, at the candidates per draft token the cell "
              "measured: translation can join draft tokens into fewer candidates, so it can exceed "
              "`polspec models probe`'s figure, which counts one candidate per draft token; \"never\" means "
@@ -74,7 +81,8 @@ def markdown(report: SweepReport) -> str:
     if report.missing_probe:
         lines += [f"No probe on this machine for {', '.join(report.missing_probe)}: run "
                   f"`polspec models probe {report.target} DRAFT` for the break-even acceptance and the "
-                  "predictions of results that recorded no probe.", ""]
+                  "predictions of results that recorded no probe this polspec can use (none, or one of "
+                  "an older format, measured before the draft's costs were taken as it decodes).", ""]
     if report.cross_run_pairs:
         lines += [f"{report.cross_run_pairs} speculative results are paired with a baseline that another worker "
                   "process ran (a restart, a resumed sweep, another machine): their speedups compare runs under "
@@ -83,7 +91,8 @@ def markdown(report: SweepReport) -> str:
         lines += ["## Summary", "", *(_headline(headline) for headline in report.headlines), ""]
     if report.batched:
         lines += ["Batch B is how many of a cell's items decoded together; aggregate tok/s counts every token "
-                  "of the cell over the wall time its items were decoding, and aggregate speedup divides it by "
+                  "of the cell over the wall time its items were decoding, prefills included (tok/s leaves "
+                  "them out), and aggregate speedup divides it by "
                   "the target-only baseline's at the same B: the gain of a bulk run.", ""]
     lines += _sampling_note(report)
     # Prefix, temperature and verify get columns only where the sweep varied them: the tables
@@ -102,7 +111,7 @@ def markdown(report: SweepReport) -> str:
         for row in (r for r in report.rows if r.dataset == dataset):
             values = "".join(f" {value(row)} |" for _, value in sampling)
             lines.append(
-                f"| {row.draft} | {row.strategy} | {row.k} |{values} {row.prompts} | "
+                f"| {row.draft} | {row.strategy} | {row.k} |{values} {_prompts(row)} | "
                 f"{_fmt(row.acceptance_per_candidate, '{:.0%}')} | "
                 f"{_fmt(row.acceptance_per_draft_token, '{:.0%}')} | {_fmt(row.tokens_per_round)} | "
                 f"{_fmt(row.tokens_per_s, '{:.1f}')} | {_speedup(row)} | {_fmt(row.predicted_speedup, '{:.2f}x')} | "

@@ -138,6 +138,7 @@ class Row(CellKey):
     """One cell's numbers, after its grid point."""
 
     prompts: int
+    paired_prompts: int  # the prompts behind the speedup: those whose baseline finished too
     acceptance_per_candidate: float | None
     acceptance_per_draft_token: float | None
     tokens_per_round: float | None
@@ -371,6 +372,7 @@ def cell_row(key: CellKey, members: list[tuple[Pair, Measured]], baseline: dict[
     return Row(
         **vars(key),
         prompts=len({pair.prompt_key for pair, _ in members}),
+        paired_prompts=len(ratios),
         acceptance_per_candidate=accepted / total("candidates") if total("candidates") else None,
         acceptance_per_draft_token=total("draft_tokens_accepted") / total("draft_tokens") if total("draft_tokens") else None,
         tokens_per_round=total("generated_tokens") / total("rounds") if total("rounds") else None,
