@@ -236,8 +236,9 @@ def test_speculative_sampling_keeps_the_target_distribution_through_split_words(
 
 @pytest.mark.slow
 def test_a_top_k_larger_than_the_pruned_draft_vocabulary_drafts_from_all_of_it(gemma3, smollm2):
-    """smollm2-135m drafts from its 16,384 most frequent tokens; top-k 20,000 (under Gemma-3's
-    262k) then keeps every one of them."""
+    """smollm2-135m drafts from its 16,384 most frequent tokens, fewer than top-k 20,000 (under
+    Gemma-3's 262k), which mlx-lm's top-k cannot take: the decoder still drafts and decodes.
+    (That such a top-k keeps every token: the test of sampling_probabilities above.)"""
     params = DecodingParams(seed=1, max_tokens=6, temperature=0.7, top_k=20_000, k=2, verify="tli")
     result = generate(gemma3, smollm2, "Stolicą Polski jest Warszawa, która", params, chat=False)
     assert result.metrics.verify == "tli" and result.metrics.draft_tokens > 0 and len(result.token_ids) == 6
