@@ -24,6 +24,8 @@ from polspec.models.sources import parse_source
 from polspec.models.tokenizers import fetch_tokenizer_file
 from polspec.settings import blobs_dir, models_dir
 
+from helpers import wait_for
+
 
 def leftovers(directory: Path) -> list[str]:
     """Anything in a cache directory besides the sha256 index: partial work or a bad import."""
@@ -135,9 +137,13 @@ import sys
 import time
 from pathlib import Path
 from polspec.models.registry import ModelEntry, add_user_model
-for index in range(5):
-    add_user_model(ModelEntry(alias=f"{sys.argv[2]}{index}", source="gguf:/x.gguf", architecture="llama",
-                              tokenizer_family="x"), Path(sys.argv[1]))
+user_file, prefix = Path(sys.argv[1]), sys.argv[2]
+(user_file.parent / f"ready-{prefix}").touch()
+while not (user_file.parent / "go").exists():  # every writer starts at once, its imports done
+    time.sleep(0.01)
+for index in range(20):
+    add_user_model(ModelEntry(alias=f"{prefix}{index}", source="gguf:/x.gguf", architecture="llama",
+                              tokenizer_family="x"), user_file)
 """
 
 
@@ -146,9 +152,11 @@ def test_imports_at_once_each_keep_their_alias(tmp_path):
     could each write what they read, and one alias was lost."""
     user_file = tmp_path / "models.toml"
     writers = [subprocess.Popen([sys.executable, "-c", ADD_MODELS, str(user_file), prefix]) for prefix in "abcdef"]
+    wait_for(lambda: all((tmp_path / f"ready-{prefix}").exists() for prefix in "abcdef"), 120, "every writer ready")
+    (tmp_path / "go").touch()
     assert [writer.wait() for writer in writers] == [0] * 6
     models = parse_registry(user_file.read_text(encoding="utf-8"), str(user_file)).models
-    assert sorted(models) == sorted(f"{prefix}{index}" for prefix in "abcdef" for index in range(5))
+    assert sorted(models) == sorted(f"{prefix}{index}" for prefix in "abcdef" for index in range(20))
 
 
 @pytest.mark.slow
