@@ -601,6 +601,56 @@ def test_cancelling_a_batch_while_a_worker_claims_its_first_item_deadlocks_neith
         assert [session.get(Item, first).status, session.get(Item, second).status] == ["running", "cancelled"]
 
 
+def test_a_cancel_that_waits_for_a_batch_s_last_finish_refuses_the_finished_batch(engine: Engine) -> None:
+    """Cancel refuses a finished batch. On PostgreSQL it decided on the status it read before
+    the finish committed, then wrote cancelled over done."""
+    with session_scope(engine) as session:
+        item_id = new_item(session, batch := new_batch(session), "a").id
+    me = Worker("host", 1)
+    claim_item(engine, item_id, me)
+    refused: list[object] = []
+
+    def cancel_batch() -> None:
+        try:
+            refused.append(cancel(engine, None, batch.id))
+        except PolspecError as error:
+            refused.append(str(error))
+
+    cancelling = threading.Thread(target=cancel_batch)
+    with session_scope(engine) as session:  # finish_item of the last item, held open while cancel runs
+        item = session.scalar(select(Item).where(Item.id == item_id).with_for_update())
+        session.add(new_result(item))
+        item.status = "done"
+        settle_batch(session, item.batch)
+        cancelling.start()
+        wait_until_blocked(engine, cancelling)
+    cancelling.join()
+    assert refused == [f"batch {batch.id} has finished (done); there is nothing to cancel"]
+    with session_scope(engine) as session:
+        assert session.get(Batch, batch.id).status == "done"
+
+
+def test_a_finish_that_waits_for_a_cancel_leaves_the_batch_cancelled(engine: Engine) -> None:
+    """A finish settles its batch by its items, unless the batch is cancelled. On PostgreSQL it
+    read the status before it waited for the cancel's lock, and wrote done over cancelled."""
+    with session_scope(engine) as session:
+        batch = new_batch(session)
+        running, queued = new_item(session, batch, "a").id, new_item(session, batch, "b").id
+    me = Worker("host", 1)
+    claim_item(engine, running, me)
+    finishing = threading.Thread(target=lambda: finish_item(engine, running, me, new_result(Item(id=running))))
+    with session_scope(engine) as session:  # cancel, held open while the finish runs
+        session.scalar(select(Item).where(Item.id == queued).with_for_update()).status = "cancelled"
+        session.get(Batch, batch.id).status = "cancelled"
+        session.flush()
+        finishing.start()
+        wait_until_blocked(engine, finishing)
+    finishing.join()
+    with session_scope(engine) as session:
+        assert session.get(Batch, batch.id).status == "cancelled"
+        assert session.get(Item, running).status == "done"
+
+
 def test_readonly_engine_refuses_writes(engine: Engine) -> None:
     url = engine.url.render_as_string(hide_password=False)
     reader = make_engine(url, readonly=True)

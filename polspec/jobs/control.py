@@ -117,15 +117,18 @@ def cancel(engine: Engine, connection: redis.Redis | None, batch_id: int) -> tup
     would only hide that it finished."""
     with session_scope(engine) as session:
         batch = find_batch(session, batch_id)
+        # The items before the batch, in the order a claim or a finish locks them (its item, then
+        # the batch): the other order deadlocks with a claim on PostgreSQL. Then the batch's
+        # status as it stands once no finish can change it.
+        queued = (Item.batch_id == batch_id, Item.status == Status.QUEUED.value)
+        ids = list(session.scalars(select(Item.id).where(*queued).with_for_update()))
+        session.refresh(batch, with_for_update=True)
         if batch.status in (Status.DONE.value, Status.FAILED.value):
             raise PolspecError(f"batch {batch_id} has finished ({batch.status}); there is nothing to cancel")
         already = batch.status == Status.CANCELLED.value
-        # The items before the batch, in the order a claim locks them (its item, then the batch
-        # it marks running): the other order deadlocks with a claim on PostgreSQL. By condition,
-        # not by a list of ids, which for a sweep is more than SQLite takes in one statement.
-        ids = list(session.scalars(
-            update(Item).where(Item.batch_id == batch_id, Item.status == Status.QUEUED.value)
-            .values(status=Status.CANCELLED.value, finished_at=utcnow()).returning(Item.id)))
+        # By the condition, not by the ids: a list of a sweep's hundreds of thousands of ids is
+        # more than SQLite takes in one statement.
+        session.execute(update(Item).where(*queued).values(status=Status.CANCELLED.value, finished_at=utcnow()))
         batch.status = Status.CANCELLED.value
     if connection is not None and ids:
         db_id = database_id(engine)

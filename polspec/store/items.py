@@ -238,12 +238,13 @@ def settle_batch(session: Session, batch: Batch) -> None:
     finished (nothing has run, or a retry queued all of it again), running while some run or
     wait beside finished ones, else done (or failed)."""
     session.flush()
-    if batch.status == Status.CANCELLED.value:
-        return
     # On PostgreSQL two workers finishing a batch's last items at once would each read the
     # other's as running and leave the batch running for good: the second waits here for the
-    # first to commit, then reads its item done. (SQLite: the write lock was taken at BEGIN.)
-    session.execute(select(Batch.id).where(Batch.id == batch.id).with_for_update())
+    # first to commit, then reads its item done; and a cancel committed meanwhile is read here,
+    # not overwritten. (SQLite: the write lock was taken at BEGIN.)
+    session.refresh(batch, with_for_update=True)
+    if batch.status == Status.CANCELLED.value:
+        return
     statuses = set(session.scalars(select(Item.status).where(Item.batch_id == batch.id).distinct()))
     if statuses == {Status.QUEUED.value}:
         batch.status = Status.QUEUED.value
