@@ -68,8 +68,9 @@ class ItemInput:
 
 
 def has_control_characters(name: str) -> bool:
-    """Whether a batch's or sweep's name holds a line break, a tab or another control character
-    (a no-break space or a soft hyphen, common in pasted Polish text, is no such character)."""
+    """Whether a batch's or sweep's name, or a prompt's id, holds a line break, a tab or another
+    control character (a no-break space or a soft hyphen, common in pasted Polish text, is no
+    such character)."""
     return any(unicodedata.category(character) in ("Cc", "Zl", "Zp") for character in name)
 
 

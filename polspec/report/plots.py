@@ -63,7 +63,7 @@ def _speedup_by_batch(report: SweepReport, directory: Path) -> Path:
         for row in report.rows:
             if row.dataset == dataset and row.aggregate_speedup is not None:
                 lines[(row.draft, row.strategy, row.k, row.variant)].append((row.batch, row.aggregate_speedup))
-        for (draft, strategy, k, variant), points in sorted(lines.items()):
+        for (draft, strategy, k, variant), points in lines.items():  # the rows' order: k by number
             points.sort()
             axis.plot([p[0] for p in points], [p[1] for p in points], marker="o",
                       label=f"{draft} / {strategy} / k={k}{variant}")

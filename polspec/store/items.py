@@ -181,7 +181,7 @@ def without_nul(result: Result) -> Result:
     """``result`` with each U+0000 in its text and draft spans replaced by U+FFFD, on every
     backend, and how many in its metrics (``nul_replaced``); its ``token_ids`` keep what was
     generated. A byte-level tokenizer decodes its token for byte 0 to U+0000, which
-    PostgreSQL's text and JSON types refuse: the result would be lost and its item failed."""
+    PostgreSQL's text type refuses: the result would be lost and its item failed."""
     count = result.text.count("\0")
     if count:
         result.text = result.text.replace("\0", NUL_STAND_IN)

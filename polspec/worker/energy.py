@@ -134,14 +134,17 @@ def open_meter(powercap: Path = POWERCAP, *, device: str) -> tuple[Meter | None,
     run) or miss the one that works (the CPU package under a CUDA run)."""
     candidates = []  # (module to import, package that provides it, meter factory, what it measures)
     reasons = []
-    if platform.system() == "Darwin":
+    apple = platform.system() == "Darwin"
+    if apple:
         candidates.append(("zeus_apple_silicon", "zeus-apple-silicon", AppleMeter,
                            "zeus-apple-silicon (CPU, GPU, ANE, DRAM)"))
     if device == "gpu":
         candidates.append(("pynvml", "nvidia-ml-py", NvmlMeter, "NVIDIA GPU energy counter through NVML"))
-        reasons.append("RAPL measures the CPU package, and MLX decodes on the GPU here")
+        if not apple:
+            reasons.append("RAPL measures the CPU package, and MLX decodes on the GPU here")
     else:
-        reasons.append("NVML measures NVIDIA GPUs, and MLX decodes on the CPU here")
+        if importlib.util.find_spec("pynvml") is not None:
+            reasons.append("NVML measures NVIDIA GPUs, and MLX decodes on the CPU here")
         candidates.append((None, None, lambda: RaplMeter(powercap), "Linux RAPL package energy through powercap"))
     for module, package, make, about in candidates:
         if module is not None and importlib.util.find_spec(module) is None:
