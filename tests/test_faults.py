@@ -122,7 +122,7 @@ def test_heartbeat_keeps_a_job_longer_than_the_registry_ttl_alive(env):
     # TTL 3 s (interval 1 + grace 1 + the second RQ's whole-second scores take). The job asks for
     # more tokens than any machine decodes in that time and is cancelled once it has outlived
     # the TTL twice; the test checks for expiry about three times a second meanwhile.
-    batch = enqueue(env, limit=1, max_tokens=2000)
+    batch = enqueue(env, limit=1, max_tokens=8000)
     connection = redis.Redis.from_url(env["POLSPEC_REDIS_URL"])
     registry = StartedJobRegistry(queue_name(TARGET), connection=connection, serializer=JSONSerializer)
     worker = start_worker(env, "--burst", "--heartbeat-interval", "1", "--heartbeat-grace", "1")
