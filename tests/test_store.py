@@ -651,6 +651,23 @@ def test_a_finish_that_waits_for_a_cancel_leaves_the_batch_cancelled(engine: Eng
         assert session.get(Item, running).status == "done"
 
 
+def test_a_lease_is_judged_by_the_database_s_clock_when_machines_share_it(pg_url: str, monkeypatch) -> None:
+    """Workers on several machines share a PostgreSQL database: one whose clock runs ten minutes
+    behind wrote leases that every other worker read as run out, and a second worker took over
+    the item it was decoding."""
+    from polspec.store import items
+
+    upgrade(pg_url)
+    engine = make_engine(pg_url)
+    with session_scope(engine) as session:
+        item_id = new_item(session, new_batch(session), "a").id
+    with monkeypatch.context() as behind:
+        behind.setattr(items, "utcnow", lambda: utcnow() - timedelta(minutes=10))
+        claim_item(engine, item_id, Worker("laptop", 1))
+    assert claim_item(engine, item_id, Worker("server", 2), lease_s=60) == f"item {item_id} is running on laptop (pid 1)"
+    engine.dispose()
+
+
 def test_readonly_engine_refuses_writes(engine: Engine) -> None:
     url = engine.url.render_as_string(hide_password=False)
     reader = make_engine(url, readonly=True)

@@ -27,7 +27,8 @@ from polspec.errors import PolspecError
 from polspec.jobs.queue import (JOB_FUNCTION, delete_jobs, enqueue_items, job_id, job_states, make_queue,
                                queue_name)
 from polspec.store.engine import session_scope
-from polspec.store.items import DEFAULT_LEASE_S, Worker, database_id, max_tokens, owner_gone, reopen_items
+from polspec.store.items import (DEFAULT_LEASE_S, Worker, database_id, lease_clock, max_tokens, owner_gone,
+                                 reopen_items)
 from polspec.store.queries import find_batch
 from polspec.store.schema import Batch, Item, Status, utcnow
 
@@ -50,12 +51,12 @@ def recover(engine: Engine, connection: redis.Redis, batch_id: int | None = None
     """Re-enqueue the unfinished items (of one batch, or all) that no job will finish."""
     me = me or Worker.this_process()
     db_id = database_id(engine)
-    now = utcnow()
     # Queued items as three columns, not whole rows: a resumed sweep may have hundreds of
     # thousands, and loading them as objects (prompts, the batch's spec once per item) cost
     # a minute and gigabytes. Running items, a few per worker, are read whole for owner_gone.
     live = [Batch.status != Status.CANCELLED.value] + ([Item.batch_id == batch_id] if batch_id is not None else [])
     with session_scope(engine) as session:
+        now = lease_clock(session)
         queued = session.execute(select(Item.id, Item.batch_id, max_tokens()).join(Batch)
                                  .where(Item.status == Status.QUEUED.value, *live).order_by(Item.id)).all()
         running = session.scalars(select(Item).join(Batch).where(Item.status == Status.RUNNING.value, *live)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import ColumnElement, Engine, select, update
+from sqlalchemy import ColumnElement, Engine, func, select, update
 from sqlalchemy.orm import Session
 
 from polspec.store.engine import session_scope
@@ -60,6 +60,16 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def lease_clock(session: Session) -> datetime:
+    """Now, by the clock leases are written and judged by: the database server's on PostgreSQL,
+    where workers on several machines share the work and their clocks may disagree by more than
+    a lease (a worker behind would see every other's lease run out, and requeue running items);
+    this machine's on SQLite, which one machine serves."""
+    if session.get_bind().dialect.name == "postgresql":
+        return session.scalar(select(func.now()))
+    return utcnow()
+
+
 def owner_gone(item: Item, me: Worker, now: datetime, lease_s: float) -> bool:
     """Whether a running item's worker has stopped: dead on this host, or its lease ran out."""
     if item.worker_host == me.host and item.worker_pid is not None and item.worker_pid != me.pid:
@@ -88,7 +98,7 @@ def claim_item(engine: Engine, item_id: int, me: Worker, lease_s: float = DEFAUL
         item = _locked_item(session, item_id)
         if item is None:
             return f"item {item_id} is not in the database"
-        now = utcnow()
+        now = lease_clock(session)
         if item.batch.status == Status.CANCELLED.value or item.status == Status.CANCELLED.value:
             return f"item {item_id} is cancelled"
         if item.status in (Status.DONE.value, Status.FAILED.value):
@@ -144,7 +154,7 @@ def renew_leases(engine: Engine, item_ids: list[int], me: Worker) -> int:
             update(Item)
             .where(Item.id.in_(item_ids), Item.status == Status.RUNNING.value,
                    Item.worker_host == me.host, Item.worker_pid == me.pid)
-            .values(heartbeat_at=utcnow())
+            .values(heartbeat_at=lease_clock(session))
         ).rowcount
 
 
