@@ -94,7 +94,8 @@ def test_a_draw_in_proportion_reaches_the_tail_of_a_large_vocabulary():
     drawn = np.concatenate([np.array(draw_in_proportion(mx.broadcast_to(weights, (16, tail + 1)), mx.random.key(seed)))
                             for seed in range(20)])
     in_tail = tail * 2.0**-24 / (1 + tail * 2.0**-24)
-    observed, expected = np.array([(drawn == 0).sum(), (drawn > 0).sum()]), len(drawn) * np.array([1 - in_tail, in_tail])
+    observed = np.array([(drawn == 0).sum(), (drawn > 0).sum()])
+    expected = len(drawn) * np.array([1 - in_tail, in_tail])
     assert ((observed - expected) ** 2 / expected).sum() < chi_square_critical(1), observed
     assert drawn.max() > tail // 2  # the far end of the tail too
 
