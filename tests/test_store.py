@@ -661,10 +661,16 @@ def test_a_lease_is_judged_by_the_database_s_clock_when_machines_share_it(pg_url
     engine = make_engine(pg_url)
     with session_scope(engine) as session:
         item_id = new_item(session, new_batch(session), "a").id
+    laptop = Worker("laptop", 1)
     with monkeypatch.context() as behind:
         behind.setattr(items, "utcnow", lambda: utcnow() - timedelta(minutes=10))
-        claim_item(engine, item_id, Worker("laptop", 1))
-    assert claim_item(engine, item_id, Worker("server", 2), lease_s=60) == f"item {item_id} is running on laptop (pid 1)"
+        claim_item(engine, item_id, laptop)
+        assert claim_item(engine, item_id, Worker("server", 2), lease_s=60) == \
+            f"item {item_id} is running on laptop (pid 1)"
+        assert finish_item(engine, item_id, laptop, new_result(Item(id=item_id)))
+    with session_scope(engine) as session:  # its span on one clock too, as status and report read it
+        item = session.get(Item, item_id)
+        assert timedelta(0) <= item.finished_at - item.started_at < timedelta(minutes=1)
     engine.dispose()
 
 

@@ -27,10 +27,10 @@ from polspec.errors import PolspecError
 from polspec.jobs.queue import (JOB_FUNCTION, delete_jobs, enqueue_items, job_id, job_states, make_queue,
                                queue_name)
 from polspec.store.engine import session_scope
-from polspec.store.items import (DEFAULT_LEASE_S, Worker, database_id, lease_clock, max_tokens, owner_gone,
+from polspec.store.items import (DEFAULT_LEASE_S, Worker, database_id, database_now, max_tokens, owner_gone,
                                  reopen_items)
 from polspec.store.queries import find_batch
-from polspec.store.schema import Batch, Item, Status, utcnow
+from polspec.store.schema import Batch, Item, Status
 
 _WAITING = {JobStatus.QUEUED, JobStatus.DEFERRED, JobStatus.SCHEDULED}
 
@@ -56,7 +56,7 @@ def recover(engine: Engine, connection: redis.Redis, batch_id: int | None = None
     # a minute and gigabytes. Running items, a few per worker, are read whole for owner_gone.
     live = [Batch.status != Status.CANCELLED.value] + ([Item.batch_id == batch_id] if batch_id is not None else [])
     with session_scope(engine) as session:
-        now = lease_clock(session)
+        now = database_now(session)
         queued = session.execute(select(Item.id, Item.batch_id, max_tokens()).join(Batch)
                                  .where(Item.status == Status.QUEUED.value, *live).order_by(Item.id)).all()
         running = session.scalars(select(Item).join(Batch).where(Item.status == Status.RUNNING.value, *live)
@@ -129,7 +129,8 @@ def cancel(engine: Engine, connection: redis.Redis | None, batch_id: int) -> tup
         already = batch.status == Status.CANCELLED.value
         # By the condition, not by the ids: a list of a sweep's hundreds of thousands of ids is
         # more than SQLite takes in one statement.
-        session.execute(update(Item).where(*queued).values(status=Status.CANCELLED.value, finished_at=utcnow()))
+        session.execute(update(Item).where(*queued).values(status=Status.CANCELLED.value,
+                                                            finished_at=database_now(session)))
         batch.status = Status.CANCELLED.value
     if connection is not None and ids:
         db_id = database_id(engine)

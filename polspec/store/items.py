@@ -60,11 +60,12 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def lease_clock(session: Session) -> datetime:
-    """Now, by the clock leases are written and judged by: the database server's on PostgreSQL,
-    where workers on several machines share the work and their clocks may disagree by more than
-    a lease (a worker behind would see every other's lease run out, and requeue running items);
-    this machine's on SQLite, which one machine serves."""
+def database_now(session: Session) -> datetime:
+    """Now, by the clock an item's times (start, lease, end) are written and judged by: the
+    database server's on PostgreSQL, where workers on several machines share the work and their
+    clocks may disagree by more than a lease (a worker behind would see every other's lease run
+    out and requeue running items, and an item's span would mix two clocks); this machine's on
+    SQLite, which one machine serves."""
     if session.get_bind().dialect.name == "postgresql":
         return session.scalar(select(func.now()))
     return utcnow()
@@ -98,7 +99,7 @@ def claim_item(engine: Engine, item_id: int, me: Worker, lease_s: float = DEFAUL
         item = _locked_item(session, item_id)
         if item is None:
             return f"item {item_id} is not in the database"
-        now = lease_clock(session)
+        now = database_now(session)
         if item.batch.status == Status.CANCELLED.value or item.status == Status.CANCELLED.value:
             return f"item {item_id} is cancelled"
         if item.status in (Status.DONE.value, Status.FAILED.value):
@@ -154,7 +155,7 @@ def renew_leases(engine: Engine, item_ids: list[int], me: Worker) -> int:
             update(Item)
             .where(Item.id.in_(item_ids), Item.status == Status.RUNNING.value,
                    Item.worker_host == me.host, Item.worker_pid == me.pid)
-            .values(heartbeat_at=lease_clock(session))
+            .values(heartbeat_at=database_now(session))
         ).rowcount
 
 
@@ -181,7 +182,7 @@ def finish_item(engine: Engine, item_id: int, me: Worker, result: Result) -> boo
         result.item_id = item_id
         session.add(without_nul(result))
         item.status = Status.DONE.value
-        item.finished_at = utcnow()
+        item.finished_at = database_now(session)
         item.last_error = None
         settle_batch(session, item.batch)
         return True
@@ -212,7 +213,7 @@ def fail_item(engine: Engine, item_id: int, me: Worker, reason: str, *, final: b
         item.last_error = reason
         item.status = status.value if final else Status.QUEUED.value
         if final:
-            item.finished_at = utcnow()
+            item.finished_at = database_now(session)
             settle_batch(session, item.batch)
 
 
