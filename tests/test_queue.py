@@ -118,6 +118,13 @@ def test_twelve_prompts_end_to_end_with_exports(any_db_env, tmp_path, gemma3):
         # What decoded it: greedy, so the requested verify=auto ran as exact match.
         assert (from_jsonl[key]["draft"], from_jsonl[key]["k"], from_jsonl[key]["verify"]) == ("smollm2-135m", 2, "exact")
         assert from_jsonl[key]["finish_reason"] == result.metrics["finish_reason"]
+        # Enough to rerun and analyse it alone: the weights, every setting, what its rounds did.
+        assert (from_jsonl[key]["target_sha256"], from_jsonl[key]["draft_sha256"]) == (
+            result.versions["target"]["sha256"], result.versions["draft"]["sha256"])
+        assert (from_jsonl[key]["prefix"], from_jsonl[key]["partial_word"]) == (item.params["prefix"], "verify")
+        assert (from_jsonl[key]["rounds"], from_jsonl[key]["draft_tokens"]) == (
+            result.metrics["rounds"], result.metrics["draft_tokens"])
+        assert int(from_csv[key]["rounds"]) == result.metrics["rounds"]
     assert from_csv["q02"]["prompt"] == "Kto napisał „Pana Tadeusza”?"
 
     code, output = cli(env, "results", "sql", "SELECT count(*) AS n FROM results", "--json")

@@ -107,21 +107,33 @@ def test_an_export_into_a_pipe_or_device_writes_into_it_and_leaves_it_one(sqlite
     assert log.read_text().splitlines()[0] == "earlier" and len(log.read_text().splitlines()) == 4
 
 
+def test_an_export_to_standard_output_is_utf_8_whatever_the_locale(sqlite_env, batch):
+    """A Polish ISO-8859-2 terminal has no „: the export to standard output was a traceback."""
+    latin2 = os.environ | sqlite_env | {"PYTHONIOENCODING": "iso8859-2"}
+    result = subprocess.run([sys.executable, "-c", "from polspec.cli import main; main()", "results", "export",
+                             str(batch)], capture_output=True, env=latin2)
+    assert result.returncode == 0, result.stderr
+    assert "„Pana Tadeusza”" in result.stdout.decode("utf-8")
+
+
 def test_an_output_of_a_dash_is_standard_output_and_exports_say_what_decoded_each_item(sqlite_env, batch, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    code, output = cli(sqlite_env, "results", "export", str(batch), "--output", "-")
-    rows = [json.loads(line) for line in output.splitlines()]
-    assert code == 0 and [row["status"] for row in rows] == ["queued"] * 3
-    settings = {(row["target"], row["draft"], row["k"], row["temperature"]) for row in rows}
-    assert settings == {("gemma3-270m", None, None, 0.0)}  # target-only: no k
+    result = CliRunner().invoke(main, ["results", "export", str(batch), "--output", "-"], env=sqlite_env)
+    rows = [json.loads(line) for line in result.stdout.splitlines()]
+    assert result.exit_code == 0 and [row["status"] for row in rows] == ["queued"] * 3
+    assert result.stderr == f"note: batch {batch} is not finished: 3 of 3 items have no result yet\n"
+    settings = {(row["target"], row["draft"], row["k"], row["prefix"], row["temperature"]) for row in rows}
+    assert settings == {("gemma3-270m", None, None, None, 0.0)}  # target-only: no k, no prefix
     sweep = tmp_path / "sweep.toml"
     sweep.write_text('target = "gemma3-270m"\ndrafts = ["smollm2-135m"]\ndatasets = [{ name = "pl-short", limit = 1 }]\n')
     sweep_id = json.loads(cli(sqlite_env, "enqueue", "sweep", "--config", str(sweep), "--json")[1])["batch"]
     code, output = cli(sqlite_env, "report", str(sweep_id), "--output", "-")
     assert code == 0 and output.startswith(f"# Sweep {sweep_id}: ")
-    code, output = cli(sqlite_env, "results", "export", str(sweep_id))
-    cells = {(row["draft"], row["k"]) for row in map(json.loads, output.splitlines())}
-    assert code == 0 and cells == {(None, None), ("smollm2-135m", 2)}  # the baseline and the one cell
+    result = CliRunner().invoke(main, ["results", "export", str(sweep_id)], env=sqlite_env)
+    cells = {(row["draft"], row["k"], row["prefix"], row["dataset"], row["prompt_key"], row["repeat"], row["baseline"])
+             for row in map(json.loads, result.stdout.splitlines())}
+    assert result.exit_code == 0 and cells == {(None, None, None, "pl-short", "short-001", 0, True),
+                                               ("smollm2-135m", 2, 5, "pl-short", "short-001", 0, False)}
     assert sorted(path.name for path in tmp_path.iterdir()) == ["data", "sweep.toml"]
     code, _ = cli(sqlite_env, "results", "export", str(batch), "--output", "./-")  # a file named "-", asked for
     assert code == 0 and len((tmp_path / "-").read_text(encoding="utf-8").splitlines()) == 3

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 import sys
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import TextIO
 
 import click
 from rich.table import Table
@@ -62,8 +66,7 @@ def list_command(batch_id: int | None, status: str | None, limit: int, as_json: 
         rows = rows[:limit]
         click.echo(f"the first {limit} items; --limit 0 shows all", err=True)
     if as_json:
-        for row in rows:
-            click.echo(json.dumps(row, ensure_ascii=False))
+        _json_lines(rows)
         return
     if not rows:
         click.echo("no items match")
@@ -100,7 +103,7 @@ def show_command(batch_id: int, item_id: str, as_json: bool) -> None:
     with upgraded_database(readonly=True, create=False) as engine:
         detail = item_detail(engine, batch_id, item_id)
     if as_json:
-        click.echo(json.dumps(detail, ensure_ascii=False))
+        _json_lines([detail])
         return
     click.echo(f"batch {batch_id} item {detail['id']}: {detail['status']} after {detail['attempts']} attempt(s)")
     prompt = detail["prompt"] if detail["prompt"] is not None else json.dumps(detail["messages"], ensure_ascii=False)
@@ -143,12 +146,18 @@ def _window_line(window: dict) -> str:
 @click.option("--output", type=click.Path(dir_okay=False, allow_dash=True), callback=a_path,
               help="Write to this file (whole or not at all); without it, or with -, to standard output.")
 def export_command(batch_id: int, fmt: str, output: str | None) -> None:
-    """Every item of a batch with its text and metrics, as CSV or JSONL (UTF-8): per item the
-    target and draft, the decoding settings (k, strategy, verify, temperature, top_p, top_k,
-    seed, max_tokens), the prompt, the text and why it ended, speed, acceptance and energy.
+    """Every item of a batch with its text and metrics, as CSV or JSONL (UTF-8), enough to analyse
+    and rerun each on its own: the target and draft with the sha256 of their weights, the decoding
+    settings (k, strategy, verify, prefix, partial_word, draft_vocab, confidence, k_max,
+    temperature, top_p, top_k, seed, max_tokens, chat), a sweep item's dataset, prompt, repeat,
+    cell batch size and whether it is the baseline, the
+    prompt, the text and why it ended, speed, acceptance and what the rounds did, and energy: its
+    own, or the batch's it decoded in (window_*), never 0 for none.
 
     A CSV file (--output) starts with a byte-order mark so that spreadsheets show Polish letters correctly;
-    messages are a JSON string in their column. A file is written whole or not at all.
+    messages are a JSON string in their column. A file is written whole or not at all. Items
+    without a result yet (a running batch) are rows without text, and a note on standard error
+    counts them.
 
     \b
     Examples:
@@ -158,14 +167,49 @@ def export_command(batch_id: int, fmt: str, output: str | None) -> None:
     from polspec.store.migrate import upgraded_database
     from polspec.store.queries import EXPORT_COLUMNS, item_rows, require_batch
 
+    counts = {"items": 0, "unfinished": 0}
+
+    def counted(rows):
+        for row in rows:
+            counts["items"] += 1
+            counts["unfinished"] += row["status"] in (Status.QUEUED.value, Status.RUNNING.value)
+            yield row
+
     with upgraded_database(readonly=True, create=False) as engine:
         require_batch(engine, batch_id)  # an unknown batch is an error, not an empty file
-        rows = item_rows(engine, batch_id)
+        rows = counted(item_rows(engine, batch_id))
         if output in (None, "-"):
-            _write(sys.stdout, rows, fmt, EXPORT_COLUMNS, bom=False)
-            return
-        write_file_atomically(Path(output), lambda handle: _write(handle, rows, fmt, EXPORT_COLUMNS, bom=fmt == "csv"))
-    click.echo(f"wrote {output}", err=True)
+            with utf8_stdout() as stdout:
+                _write(stdout, rows, fmt, EXPORT_COLUMNS, bom=False)
+        else:
+            write_file_atomically(Path(output),
+                                  lambda handle: _write(handle, rows, fmt, EXPORT_COLUMNS, bom=fmt == "csv"))
+            click.echo(f"wrote {output}", err=True)
+    if not counts["items"]:
+        click.echo(f"note: batch {batch_id} has no items", err=True)
+    elif counts["unfinished"]:
+        click.echo(f"note: batch {batch_id} is not finished: {counts['unfinished']} of {counts['items']} items "
+                   "have no result yet", err=True)
+
+
+def _json_lines(objects: Iterable[dict]) -> None:
+    """One JSON object a line on standard output, in UTF-8 (:func:`utf8_stdout`)."""
+    with utf8_stdout() as stdout:
+        for value in objects:
+            stdout.write(json.dumps(value, ensure_ascii=False, default=str) + "\n")
+
+
+@contextmanager
+def utf8_stdout() -> Iterator[TextIO]:
+    """Standard output as UTF-8 text without newline translation, whatever the locale: an
+    export promises UTF-8, and a Polish ISO-8859-2 terminal could not encode an en dash."""
+    sys.stdout.flush()
+    stream = io.TextIOWrapper(sys.stdout.buffer, encoding="utf-8", newline="")
+    try:
+        yield stream
+    finally:
+        stream.flush()
+        stream.detach()
 
 
 def _write(handle, rows, fmt: str, columns: tuple[str, ...], bom: bool) -> None:
@@ -178,7 +222,8 @@ def _write(handle, rows, fmt: str, columns: tuple[str, ...], bom: bool) -> None:
     writer = csv.DictWriter(handle, fieldnames=columns)
     writer.writeheader()
     for row in rows:
-        writer.writerow({**row, "messages": json.dumps(row["messages"], ensure_ascii=False) if row["messages"] else ""})
+        writer.writerow({name: json.dumps(value) if isinstance(value, bool) else value for name, value in row.items()}
+                        | {"messages": json.dumps(row["messages"], ensure_ascii=False) if row["messages"] else ""})
 
 
 @results.command("sql")
@@ -203,10 +248,9 @@ def sql_command(query: str, as_json: bool) -> None:
         if twice is not None:  # an object keeps one value a key: the other column would vanish
             raise PolspecError(f"the query returns two columns named {twice!r}; for --json, name them apart "
                                "with AS")
-        for row in rows:
-            # JSON has no infinities or NaN (SQLite has): they go out as text, as the table shows them
-            values = [str(value) if isinstance(value, float) and not math.isfinite(value) else value for value in row]
-            click.echo(json.dumps(dict(zip(columns, values, strict=True)), ensure_ascii=False, default=str))
+        # JSON has no infinities or NaN (SQLite has): they go out as text, as the table shows them
+        _json_lines(dict(zip(columns, [str(value) if isinstance(value, float) and not math.isfinite(value) else value
+                                       for value in row], strict=True)) for row in rows)
         return
     table = Table()
     for column in columns:

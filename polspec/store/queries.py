@@ -161,53 +161,78 @@ def busy_seconds(spans: Iterable[tuple[datetime, datetime]]) -> float:
     return busy
 
 
-# What decoded each item, so that an export can be analysed (and rerun) on its own.
-ITEM_SETTINGS = ("k", "strategy", "verify", "temperature", "top_p", "top_k", "seed", "max_tokens")
-EXPORT_COLUMNS = ("batch", "id", "status", "target", "draft", *ITEM_SETTINGS, "prompt", "messages", "text",
-                  "finish_reason", "prompt_tokens", "generated_tokens", "decode_tokens_per_s", "batch_size",
-                  "acceptance_rate", "tokens_per_round", "energy_joules", "energy_source", "energy_unavailable_reason",
-                  "energy_window_id", "attempts", "error", "worker_host", "backend", "device", "finished_at")
+# What decoded each item, so that an export can be analysed (and rerun) on its own: its
+# settings, a sweep item's place in its sweep, what the models were, what the decoding did, and
+# the energy of the batch it decoded in where it has none of its own.
+ITEM_SETTINGS = ("k", "strategy", "verify", "prefix", "partial_word", "draft_vocab", "confidence", "k_max",
+                 "temperature", "top_p", "top_k", "seed", "max_tokens")
+DRAFT_SETTINGS = ("k", "strategy", "verify", "prefix", "partial_word", "draft_vocab", "confidence", "k_max")
+SWEEP_COLUMNS = ("dataset", "prompt_key", "repeat", "baseline", "requested_batch")
+METRIC_COLUMNS = ("finish_reason", "rounds", "tokens_per_round", "draft_tokens", "draft_tokens_accepted",
+                  "acceptance_per_draft_token", "candidates", "candidates_accepted", "rejections", "boundary_misses",
+                  "plain_rounds", "k_policy_note", "draft_vocab_used", "prefill_s", "decode_s", "draft_s",
+                  "translate_s", "verify_s", "resync_s", "peak_memory_gb")
+WINDOW_COLUMNS = ("window_ended", "window_sequences", "window_generated_tokens", "window_energy_joules",
+                  "window_energy_source", "window_energy_unavailable_reason")
+EXPORT_COLUMNS = ("batch", "id", "status", "target", "draft", "target_sha256", "draft_sha256", *ITEM_SETTINGS, "chat",
+                  *SWEEP_COLUMNS, "prompt", "messages", "text", "prompt_tokens", "generated_tokens",
+                  "decode_tokens_per_s", "batch_size", "acceptance_rate", *METRIC_COLUMNS, "energy_joules",
+                  "energy_source", "energy_unavailable_reason", "energy_window_id", *WINDOW_COLUMNS, "attempts",
+                  "error", "worker_host", "backend", "device", "polspec_version", "mlx_version", "finished_at")
+_ROWS_AT_ONCE = 500  # items (with their texts and token ids) held in memory at a time while rows stream out
 
 
 def item_rows(engine: Engine, batch_id: int | None = None, status: str | None = None,
               limit: int | None = None) -> Iterator[dict[str, Any]]:
-    """One flat row per item (with its result when it has one), in batch and item order."""
-    query = (select(Item, Result, Batch.spec, Cell.config).join(Batch, Batch.id == Item.batch_id)
+    """One flat row per item (with its result when it has one), in batch and item order, read
+    a few hundred at a time: a sweep may have hundreds of thousands."""
+    query = (select(Item, Result, Batch.spec, Cell.config, Cell.baseline).join(Batch, Batch.id == Item.batch_id)
              .outerjoin(Cell, Cell.id == Item.cell_id).outerjoin(Result, Result.item_id == Item.id)
-             .order_by(Item.batch_id, Item.id))
+             .order_by(Item.batch_id, Item.id).execution_options(yield_per=_ROWS_AT_ONCE))
     if batch_id is not None:
         query = query.where(Item.batch_id == batch_id)
     if status is not None:
         query = query.where(Item.status == status)
     if limit is not None:
         query = query.limit(limit)
+    windows: dict[int, dict[str, Any]] = {}
     with session_scope(engine) as session:
-        for item, result, spec, cell in session.execute(query):
+        for item, result, spec, cell, baseline in session.execute(query):
             draft = cell["draft"] if cell is not None else spec.get("draft")
+            metrics = result.metrics if result is not None else {}
+            versions = result.versions if result is not None else {}
             settings = {name: item.params.get(name) for name in ITEM_SETTINGS}
             if draft is None:  # target-only: no draft length, translation or verification applied
-                settings |= {"k": None, "strategy": None, "verify": None}
-            elif result is not None and result.metrics.get("verify"):
-                settings["verify"] = result.metrics["verify"]  # what ran: auto is exact when greedy
-            if result is not None and result.metrics.get("seed") is not None:
-                settings["seed"] = result.metrics["seed"]  # drawn when none was asked for: reruns it
+                settings |= dict.fromkeys(DRAFT_SETTINGS)
+            elif metrics.get("verify"):
+                settings["verify"] = metrics["verify"]  # what ran: auto is exact when greedy
+            if metrics.get("seed") is not None:
+                settings["seed"] = metrics["seed"]  # drawn when none was asked for: reruns it
+            window_id = result.energy_window_id if result is not None else None
+            if window_id is not None and window_id not in windows:
+                window = _batch_energy(session, window_id) or {}
+                windows[window_id] = {column: window.get(column.removeprefix("window_")) for column in WINDOW_COLUMNS}
             yield {
                 "batch": item.batch_id, "id": item.item_key, "status": item.status, "target": spec.get("target"),
-                "draft": draft, **settings,
+                "draft": draft, "target_sha256": (versions.get("target") or {}).get("sha256"),
+                "draft_sha256": (versions.get("draft") or {}).get("sha256"), **settings, "chat": spec.get("chat"),
+                "dataset": cell.get("dataset") if cell is not None else None, "prompt_key": item.prompt_key,
+                "repeat": item.repeat, "baseline": baseline,
+                "requested_batch": cell.get("batch", 1) if cell is not None else None,  # older sweeps: 1
                 "prompt": item.prompt, "messages": item.messages, "text": result.text if result else None,
-                "finish_reason": result.metrics.get("finish_reason") if result else None,
                 "prompt_tokens": result.prompt_tokens if result else None,
                 "generated_tokens": result.generated_tokens if result else None,
                 "decode_tokens_per_s": result.decode_tokens_per_s if result else None,
                 "batch_size": result.batch_size if result else None,
                 "acceptance_rate": result.acceptance_rate if result else None,
-                "tokens_per_round": result.metrics.get("tokens_per_round") if result else None,
+                **{name: metrics.get("draft_vocab" if name == "draft_vocab_used" else name) for name in METRIC_COLUMNS},
                 "energy_joules": result.energy_joules if result else None,
                 "energy_source": result.energy_source if result else None,
                 "energy_unavailable_reason": result.energy_unavailable_reason if result else None,
-                "energy_window_id": result.energy_window_id if result else None,
+                "energy_window_id": window_id, **windows.get(window_id, dict.fromkeys(WINDOW_COLUMNS)),
                 "attempts": item.attempts, "error": item.last_error, "worker_host": item.worker_host,
                 "backend": result.backend if result else None, "device": result.device if result else None,
+                "polspec_version": versions.get("polspec"), "mlx_version": versions.get("mlx"),
                 "finished_at": item.finished_at.isoformat() if item.finished_at else None,
             }
 
