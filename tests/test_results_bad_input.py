@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import sqlite3
 import stat
 import subprocess
@@ -269,7 +270,13 @@ def test_show_cuts_a_long_prompt_short_and_json_keeps_it_whole(sqlite_env, tmp_p
     batch = json.loads(output)["batch"]
     code, output = cli(sqlite_env, "results", "show", str(batch), "long")
     assert code == 0 and f"prompt: {long_prompt[:400]}... (2,300 characters; --json gives it whole)" in output
-    assert json.loads(cli(sqlite_env, "results", "show", str(batch), "long", "--json")[1])["prompt"] == long_prompt
+    shown = json.loads(cli(sqlite_env, "results", "show", str(batch), "long", "--json")[1])
+    assert shown["prompt"] == long_prompt
+    # What it decodes with, as an export gives it: a target-only item has no k, though its
+    # parameters hold the default.
+    assert (shown["draft"], shown["settings"]["k"], shown["params"]["k"]) == (None, None, 2)
+    decoded_by = next(line for line in output.splitlines() if line.startswith("decoded by: "))
+    assert decoded_by.startswith("decoded by: gemma3-270m (temperature=0.0, ") and not re.search(r"\bk=", decoded_by)
 
 
 def test_retry_says_which_items_it_queues_again(sqlite_env, batch):

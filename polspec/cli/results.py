@@ -110,6 +110,9 @@ def show_command(batch_id: int, item_id: str, as_json: bool) -> None:
     if len(prompt) > SHOWN_PROMPT:
         prompt = f"{prompt[:SHOWN_PROMPT]}... ({len(prompt):,} characters; --json gives it whole)"
     click.echo(f"prompt: {prompt}")
+    settings = ", ".join(f"{key}={value}" for key, value in detail["settings"].items() if value is not None)
+    click.echo(f"decoded by: {detail['target']}" + (f" with {detail['draft']}" if detail["draft"] else "")
+               + f" ({settings})")
     if detail.get("error"):
         click.echo(f"error: {detail['error']}")
     if "text" in detail:

@@ -201,13 +201,7 @@ def item_rows(engine: Engine, batch_id: int | None = None, status: str | None = 
             draft = cell["draft"] if cell is not None else spec.get("draft")
             metrics = result.metrics if result is not None else {}
             versions = result.versions if result is not None else {}
-            settings = {name: item.params.get(name) for name in ITEM_SETTINGS}
-            if draft is None:  # target-only: no draft length, translation or verification applied
-                settings |= dict.fromkeys(DRAFT_SETTINGS)
-            elif metrics.get("verify"):
-                settings["verify"] = metrics["verify"]  # what ran: auto is exact when greedy
-            if metrics.get("seed") is not None:
-                settings["seed"] = metrics["seed"]  # drawn when none was asked for: reruns it
+            settings = applied_settings(item.params, draft, metrics)
             window_id = result.energy_window_id if result is not None else None
             if window_id is not None and window_id not in windows:
                 window = _batch_energy(session, window_id) or {}
@@ -237,6 +231,18 @@ def item_rows(engine: Engine, batch_id: int | None = None, status: str | None = 
             }
 
 
+def applied_settings(params: dict[str, Any], draft: str | None, metrics: dict[str, Any]) -> dict[str, Any]:
+    """The decoding settings an item ran with, from its parameters and its result's metrics."""
+    settings = {name: params.get(name) for name in ITEM_SETTINGS}
+    if draft is None:  # target-only: no draft length, translation or verification applied
+        settings |= dict.fromkeys(DRAFT_SETTINGS)
+    elif metrics.get("verify"):
+        settings["verify"] = metrics["verify"]  # what ran: auto is exact when greedy
+    if metrics.get("seed") is not None:
+        settings["seed"] = metrics["seed"]  # drawn when none was asked for: reruns it
+    return settings
+
+
 def item_detail(engine: Engine, batch_id: int, key: str) -> dict[str, Any]:
     """Everything stored about one item: input, parameters, status, and its full result."""
     with session_scope(engine) as session:
@@ -245,7 +251,11 @@ def item_detail(engine: Engine, batch_id: int, key: str) -> dict[str, Any]:
             find_batch(session, batch_id)
             raise PolspecError(f"batch {batch_id} has no item {key!r}")
         result = item.result
-        detail = {"batch": batch_id, "id": item.item_key, "status": item.status, "prompt": item.prompt,
+        spec = item.batch.spec
+        draft = item.cell.config["draft"] if item.cell is not None else spec.get("draft")
+        settings = applied_settings(item.params, draft, result.metrics if result is not None else {})
+        detail = {"batch": batch_id, "id": item.item_key, "status": item.status, "target": spec.get("target"),
+                  "draft": draft, "settings": settings, "prompt": item.prompt,
                   "messages": item.messages, "params": item.params, "attempts": item.attempts,
                   "error": item.last_error, "worker_host": item.worker_host,
                   "started_at": item.started_at.isoformat() if item.started_at else None,
