@@ -37,7 +37,7 @@ class DecodeMetrics:
     draft_vocab: int | None = None  # tokens the draft could propose (a pruned vocabulary); None: all
     verify: str | None = None  # how rounds were verified (exact, tli); None without a draft
     k_policy_note: str = ""  # why a generation with a draft decoded without it (auto's cost model, a long prompt)
-    seed: int | None = None  # the sampler's seed when sampling (drawn when none was given): reruns it exactly at a fixed k
+    seed: int | None = None  # the sampler's seed when sampling (drawn when none given): reruns it at a fixed k
 
     def note_if_never_drafted(self, k: int | str) -> None:
         """Say why, when ``auto`` chose a plain target step for every round (a note already made,

@@ -64,9 +64,9 @@ def draw_in_proportion(weights: mx.array, key: mx.array) -> mx.array:
 
     In float64, on the CPU (MLX has no float64 on GPUs), with a uniform number of about 46 bits
     made of two float32 ones (MLX's are not spaced quite evenly: a share of 2**-23 may be off by
-    about 2**-25): a float32 running sum stops growing at weights below about 3e-8 of the total once it passes
-    half of it, and a float32 uniform number has 24 bits, so most of a large vocabulary could
-    never be drawn (up to 1e-3 of Gemma-3's next-token mass at temperature 1)."""
+    about 2**-25): a float32 running sum stops growing at weights below about 3e-8 of the total
+    once it passes half of it, and a float32 uniform number has 24 bits, so most of a large
+    vocabulary could never be drawn (up to 1e-3 of Gemma-3's next-token mass at temperature 1)."""
     with mx.stream(mx.cpu):
         cumulative = mx.cumsum(weights.astype(mx.float64), axis=-1)
         total = cumulative[..., -1:]

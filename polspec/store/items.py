@@ -113,11 +113,11 @@ def claim_item(engine: Engine, item_id: int, me: Worker, lease_s: float = DEFAUL
         item.last_error = None
         if item.batch.status == Status.QUEUED.value:
             item.batch.status = Status.RUNNING.value
-        return Claim(item.id, item.item_key, item.prompt, item.messages, dict(item.params), _item_spec(item),
+        return Claim(item.id, item.item_key, item.prompt, item.messages, dict(item.params), item_spec(item),
                      item.attempts)
 
 
-def _item_spec(item: Item) -> dict[str, Any]:
+def item_spec(item: Item) -> dict[str, Any]:
     """The batch's spec as it applies to this item: a sweep item's cell says which draft, and
     may set the batch size it decodes at."""
     spec = dict(item.batch.spec)
@@ -144,7 +144,7 @@ def item_pairings(engine: Engine, item_ids: list[int]) -> dict[int, Pairing]:
     a read, so that a worker can choose its batch's next items before claiming them."""
     with session_scope(engine) as session:
         items = session.scalars(select(Item).where(Item.id.in_(item_ids), Item.status.in_(UNFINISHED)))
-        return {item.id: Pairing((spec := _item_spec(item))["target"], spec.get("draft"), spec.get("batch"),
+        return {item.id: Pairing((spec := item_spec(item))["target"], spec.get("draft"), spec.get("batch"),
                                  item.cell_id) for item in items}
 
 

@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session
 
 from polspec.errors import PolspecError
 from polspec.store.engine import session_scope
+from polspec.store.items import item_spec
 from polspec.store.schema import Batch, Cell, EnergyWindow, Item, Result, Status
 
 
@@ -251,11 +252,10 @@ def item_detail(engine: Engine, batch_id: int, key: str) -> dict[str, Any]:
             find_batch(session, batch_id)
             raise PolspecError(f"batch {batch_id} has no item {key!r}")
         result = item.result
-        spec = item.batch.spec
-        draft = item.cell.config["draft"] if item.cell is not None else spec.get("draft")
-        settings = applied_settings(item.params, draft, result.metrics if result is not None else {})
-        detail = {"batch": batch_id, "id": item.item_key, "status": item.status, "target": spec.get("target"),
-                  "draft": draft, "settings": settings, "prompt": item.prompt,
+        spec = item_spec(item)
+        settings = applied_settings(item.params, spec.get("draft"), result.metrics if result is not None else {})
+        detail = {"batch": batch_id, "id": item.item_key, "status": item.status, "target": spec["target"],
+                  "draft": spec.get("draft"), "settings": settings, "prompt": item.prompt,
                   "messages": item.messages, "params": item.params, "attempts": item.attempts,
                   "error": item.last_error, "worker_host": item.worker_host,
                   "started_at": item.started_at.isoformat() if item.started_at else None,
