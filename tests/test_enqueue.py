@@ -102,7 +102,7 @@ def test_enqueue_writes_batch_items_and_one_job_each(env, tmp_path):
 def test_policy_and_choice_names_are_read_in_any_case(env):
     code, output = invoke(env, "--dataset", "pl-short", "--limit", "1", "--draft", "smollm2-135m", "--k", "AUTO",
                           "--strategy", "Context", "--verify", "TLI", "--partial-word", "HOLD", "--draft-vocab", "Full",
-                          "--json")
+                          "--temperature", "0.7", "--json")
     assert code == 0, output
     engine = make_engine(env["POLSPEC_DB_URL"])
     with session_scope(engine) as session:
@@ -172,6 +172,22 @@ def test_a_draft_that_is_the_target_itself_is_queued_with_a_note(env, tmp_path):
     assert other.exit_code == 0 and other.stderr == ""
 
 
+def test_options_that_change_nothing_are_queued_with_a_note(env, tmp_path):
+    """A --seed at temperature 0 or a --k without a draft would otherwise be taken for used."""
+    greedy = [row for row in GOOD if "temperature" not in row]
+    source = write_jsonl(tmp_path / "greedy.jsonl", greedy)
+    queued = CliRunner().invoke(main, ["enqueue", "generate", "--input", str(source), "--target", "smollm2-135m",
+                                       "--k", "3", "--verify", "exact", "--seed", "7", "--top-p", "0.9", "--json"],
+                                env=env)
+    assert queued.exit_code == 0 and json.loads(queued.stdout)["added"] == len(greedy)
+    assert queued.stderr == ("note: --k, --verify have no effect without a --draft\n"
+                             "note: --seed, --top-p have no effect at --temperature 0 (greedy decoding)\n")
+    sampled = CliRunner().invoke(main, ["enqueue", "generate", "--input", str(write_jsonl(tmp_path / "p.jsonl", GOOD)),
+                                        "--target", "qwen2.5-coder-1.5b", "--draft", "smollm2-135m",
+                                        "--k", "3", "--seed", "7", "--json"], env=env)  # one line samples: the seed is used
+    assert sampled.exit_code == 0 and sampled.stderr == ""
+
+
 def test_stdin_and_dataset_inputs(env):
     lines = "\n".join(json.dumps(row, ensure_ascii=False) for row in GOOD).encode()
     code, output = invoke(env, "--input", "-", "--target", "smollm2-135m", "--json", input=lines)
@@ -205,7 +221,9 @@ BAD_LINES = [
     ('{"id": "a", "promt": "x"}', "p.jsonl:2: unknown key 'promt'"),
     ('{"id": "first", "prompt": "x"}', "p.jsonl:2: duplicate id 'first' (first on line 1)"),
     ('{"prompt": "x"}', "p.jsonl:2: every line needs an 'id'"),
-    ('{"id": 1.5, "prompt": "x"}', "p.jsonl:2: every line needs an 'id' (a non-empty string or a whole number)"),
+    ('{"id": 1.5, "prompt": "x"}', "p.jsonl:2: 'id' must be a non-empty string or a whole number, got 1.5"),
+    ('{"id": " ", "prompt": "x"}', "p.jsonl:2: 'id' must be a non-empty string or a whole number, got \" \""),
+    ('{"id": null, "prompt": "x"}', "p.jsonl:2: 'id' must be a non-empty string or a whole number, got null"),
     ('{"id": "a", "prompt": "x", "k": 0}', "p.jsonl:2: k must be between 1 and 16, got 0"),
     ('{"id": "a", "prompt": "x", "top_p": 1.5}', "p.jsonl:2: top_p must be in (0, 1], got 1.5"),
     ('{"id": "a", "prompt": "x", "temperature": "hot"}', "p.jsonl:2: temperature must be a number, got 'hot'"),

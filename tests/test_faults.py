@@ -73,7 +73,7 @@ def test_worker_killed_mid_item_then_restarted_does_every_item_once(env):
     assert statuses(env).get("running") == 1  # the killed worker's item, left behind
 
     output = worker_in_process(env, "--burst", "--batch", "1")
-    assert "re-enqueued 1 unfinished items (1 worker gone)" in output
+    assert "re-enqueued 1 items (1 worker gone)" in output
     items = assert_each_item_done_once(env, 6)
     assert sorted(item.attempts for item in items) == [1, 1, 1, 1, 1, 2]
 
@@ -90,13 +90,16 @@ def test_redis_restarted_mid_batch_loses_nothing(redis_server, tmp_path):
     assert_each_item_done_once(env, 6)
 
 
-def test_a_database_locked_past_its_busy_timeout_stops_no_batched_worker(env):
-    """A batch that meets the database locked past its busy timeout gives its jobs back to RQ,
-    and the worker waits for the database: the error used to end RQ's loop, and the worker with
-    it (status 0, its items left running for the next start)."""
+@pytest.mark.parametrize("batch", [1, 2])
+def test_a_database_locked_past_its_busy_timeout_stops_no_worker(env, batch):
+    """A batch, or a job run alone, that meets the database locked past its busy timeout gives
+    its jobs back to RQ, and the worker waits for the database. A batch's error used to end
+    RQ's loop, and the worker with it (status 0, its items left running for the next start);
+    a lone job's was taken by RQ, which went on to the next job, failing each at once until
+    their retries ran out and their items were left queued with no job."""
     enqueue(env, limit=3, max_tokens=48)
-    worker = start_worker(env | {"POLSPEC_DB_BUSY_TIMEOUT_MS": "200"}, "--burst", "--batch", "2")
-    wait_for(lambda: statuses(env).get("running", 0) == 2, 240, "a batch of two items decoding")
+    worker = start_worker(env | {"POLSPEC_DB_BUSY_TIMEOUT_MS": "200"}, "--burst", "--batch", str(batch))
+    wait_for(lambda: statuses(env).get("running", 0) == batch, 240, f"{batch} items decoding")
     database = sqlite3.connect(sqlite_file(make_url(env["POLSPEC_DB_URL"])), isolation_level=None)
     database.execute("BEGIN IMMEDIATE")  # another writer, holding the write lock
     wait_for_line(worker, "Waiting for the database")
@@ -188,7 +191,7 @@ def test_batched_worker_killed_mid_batch_then_restarted_does_every_item_once(env
     assert left.get("running", 0) >= 1 and left.get("done", 0) < 8  # the killed batch's items, left behind
 
     output = worker_in_process(env, "--burst", "--batch", "4")
-    assert f"re-enqueued {left['running']} unfinished items ({left['running']} worker gone)" in output
+    assert f"re-enqueued {left['running']} items ({left['running']} worker gone)" in output
     items = assert_each_item_done_once(env, 8)
     assert sorted(item.attempts for item in items) == [1] * (8 - left["running"]) + [2] * left["running"]
 
@@ -249,7 +252,7 @@ def test_second_sigterm_stops_at_once_without_a_traceback_and_the_items_run_agai
     assert "stopping now" in output and "Traceback" not in output, output
     assert statuses(env) == left  # stopped mid-item (200 tokens each), left for the next worker
     output = worker_in_process(env, "--burst", "--batch", "4")  # the rerun need not take them one at a time
-    assert f"re-enqueued {batch} unfinished items ({batch} worker gone)" in output
+    assert f"re-enqueued {batch} items ({batch} worker gone)" in output
     attempts = sorted(item.attempts for item in assert_each_item_done_once(env, limit))
     assert attempts == [1] * (limit - batch) + [2] * batch
 

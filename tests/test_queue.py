@@ -27,13 +27,15 @@ from polspec.cli import main
 from polspec.decoding import DecodingParams, generate
 from polspec.errors import PolspecError
 from polspec.jobs.control import _requeue_abandoned
-from polspec.jobs.queue import JOB_FUNCTION, queue_name
+from polspec.jobs.queue import JOB_FUNCTION, job_id, queue_name
 from polspec.report.summary import Window, joules_per_token
 from polspec.store.engine import make_engine, session_scope
-from polspec.store.items import Worker, claim_item
+from polspec.store.items import Worker, claim_item, database_id, this_host
 from polspec.store.migrate import upgrade
 from polspec.store.schema import EnergyWindow, Item, Result
+from polspec.worker import context
 from polspec.worker import run as worker_run
+from polspec.worker.model_cache import ModelCache
 from polspec.worker.worker import PolspecWorker
 from conftest import sqlite_url
 from helpers import wait_for, work, worker_in_process
@@ -248,6 +250,56 @@ def test_recover_leaves_an_item_claimed_after_it_read_it(env):
         assert (item.status, item.worker_pid, item.attempts) == ("running", 2, 2)
     assert _requeue_abandoned(engine, item)
     engine.dispose()
+
+
+def test_an_item_whose_worker_stopped_on_every_attempt_fails_instead_of_running_again(env):
+    """A prompt that gets its worker killed (out of memory) is tried three times, as one whose
+    error repeats is: recover used to requeue it for ever, taking worker after worker down."""
+    cli(env, "enqueue", "generate", "--dataset", "pl-short", "--limit", "2", "--target", "smollm2-135m")
+    engine = make_engine(env["POLSPEC_DB_URL"])
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid no process has: the killed worker's
+    twice, thrice = sorted(item.id for item, _ in results_by_key(env).values())
+    for item_id, attempts in ((twice, 2), (thrice, 3)):
+        for _ in range(attempts):
+            claim_item(engine, item_id, Worker(this_host(), gone.pid), lease_s=0)
+    code, output = cli(env, "recover")
+    assert (code, output) == (0, "re-enqueued 1 items (1 worker gone); failed 1 items whose worker stopped while "
+                                 "running them, 3 times (killed for memory?); run polspec worker to finish them\n")
+    with session_scope(engine) as session:
+        assert session.get(Item, twice).status == "queued"
+        failed = session.get(Item, thrice)
+        assert (failed.status, failed.last_error) == \
+            ("failed", "the worker stopped while running it, 3 times (killed for memory?)")
+        assert failed.batch.status == "running" and failed.finished_at is not None
+    engine.dispose()
+
+
+def test_an_idle_worker_gives_a_job_to_items_redis_lost_at_its_maintenance(env):
+    """Redis restarted without its data while a worker waited for work: the items waited for
+    someone to type polspec recover. Maintenance (every ten minutes) recovers them once the
+    worker's queues are empty; not while they hold work, nor at the start, which recovered."""
+    cli(env, "enqueue", "generate", "--dataset", "pl-short", "--limit", "3", "--target", "smollm2-135m")
+    connection = redis.Redis.from_url(env["POLSPEC_REDIS_URL"])
+    queue = Queue(queue_name("smollm2-135m"), connection=connection, serializer=JSONSerializer)
+    engine = make_engine(env["POLSPEC_DB_URL"])
+    context.install(context.WorkerContext(engine, database_id(engine), ModelCache(), Worker.this_process(), None,
+                                          "no meter in this test"))
+    try:
+        worker = PolspecWorker([queue.name], connection=connection)
+        worker.run_maintenance_tasks()  # the first, at the start: run_worker recovered just before
+        lost = queue.get_job_ids()[0]
+        connection.lrem(queue.key, 1, lost)
+        connection.delete(f"rq:job:{lost}")
+        worker.run_maintenance_tasks()  # its queue holds jobs: workers are busy, and recover would be slow
+        assert queue.count == 2
+        connection.flushdb()
+        worker.run_maintenance_tasks()
+        assert sorted(queue.get_job_ids()) == sorted(job_id(database_id(engine), item.id)
+                                                     for item, _ in results_by_key(env).values())
+    finally:
+        context.install(None)
+        engine.dispose()
 
 
 @pytest.mark.slow
@@ -496,6 +548,23 @@ def test_a_batch_that_decoded_an_item_it_did_not_keep_is_no_cell_energy(env, mon
     assert shared.generated_tokens > kept[0].generated_tokens and len(windows) == 1
     window = Window(shared.energy_joules, shared.generated_tokens, shared.sequences)
     assert joules_per_token(kept, {shared.id: window}) is None
+
+
+@pytest.mark.slow
+def test_a_second_delivery_of_an_item_decoding_in_the_batch_is_dropped(env):
+    """A recover that read an item's job as queued while a batch took it queued it again, and
+    the batch took it again: the claim passed (this worker held the item), the decoder refused
+    it, and the item, decoding fine, was failed and its result dropped."""
+    code, output = cli(env, "enqueue", "generate", "--dataset", "pl-short", "--limit", "2", "--target",
+                       "smollm2-135m", "--max-tokens", "4", "--json")
+    assert code == 0, output
+    queue = Queue(queue_name("smollm2-135m"), connection=redis.Redis.from_url(env["POLSPEC_REDIS_URL"]))
+    first = queue.get_job_ids()[0]
+    queue.push_job_id(first)  # the first item: in the batch by the time the batch takes this
+    assert work(env, batch=4)
+    stored = results_by_key(env)
+    assert [(item.status, item.attempts, result is not None) for item, result in stored.values()] == \
+        [("done", 1, True)] * 2
 
 
 @pytest.mark.slow

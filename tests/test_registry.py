@@ -48,9 +48,9 @@ def test_every_offline_model_pins_its_bytes():
 
 def test_user_file_adds_and_overrides(isolated_home):
     isolated_home.mkdir(parents=True)
-    (isolated_home / "models.toml").write_text(
-        '[models.gemma3-270m]\nsource = "gguf:/elsewhere/gemma.gguf"\narchitecture = "gemma3"\n'
-        '[models.mine]\nsource = "dir:/models/mine"\n'
+    (isolated_home / "models.toml").write_text(  # an editor's byte order mark and line ends are no error
+        '\ufeff[models.gemma3-270m]\r\nsource = "gguf:/elsewhere/gemma.gguf"\r\narchitecture = "gemma3"\r\n'
+        '[models.mine]\r\nsource = "dir:/models/mine"\r\n', encoding="utf-8", newline=""
     )
     registry = load_registry()
     assert registry.model("gemma3-270m").source == "gguf:/elsewhere/gemma.gguf"

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import shutil
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -30,7 +33,15 @@ from polspec.errors import DatabaseFailure, PolspecError
 from polspec.jobs.control import cancel
 from polspec.store.engine import display_url, make_engine, session_scope, sqlite_file
 from polspec.store.energy_windows import close_energy_window, open_energy_window
-from polspec.store.items import Worker, claim_item, database_id, finish_item, settle_batch
+from polspec.store.items import (
+    Worker,
+    claim_item,
+    database_id,
+    fail_item,
+    finish_item,
+    reopen_items,
+    settle_batch,
+)
 from polspec.store.migrate import (
     alembic_config,
     current_revision,
@@ -41,7 +52,7 @@ from polspec.store.migrate import (
     upgrade,
 )
 from polspec.store.queries import batch_progress, item_detail, item_rows, run_sql
-from polspec.store.schema import Batch, Cell, EnergyWindow, Item, Result, metadata, utcnow
+from polspec.store.schema import Batch, Cell, EnergyWindow, Item, Result, Status, metadata, utcnow
 from conftest import sqlite_url
 from helpers import wait_for
 
@@ -651,6 +662,40 @@ def test_a_finish_that_waits_for_a_cancel_leaves_the_batch_cancelled(engine: Eng
         assert session.get(Item, running).status == "done"
 
 
+def test_an_item_stopped_by_a_cancel_that_was_resumed_meanwhile_is_queued_again(engine: Engine) -> None:
+    """cancel, then retry --cancelled before the worker dropped the running item: the resume
+    reopened only the cancelled items, and the worker then wrote this one cancelled; the batch
+    read done without it ever running."""
+    with session_scope(engine) as session:
+        batch = new_batch(session)
+        running, queued = new_item(session, batch, "a").id, new_item(session, batch, "b").id
+    me = Worker("host", 1)
+    claim_item(engine, running, me)
+    cancel(engine, None, batch.id)
+    with session_scope(engine) as session:
+        assert reopen_items(session, session.get(Batch, batch.id), (Status.CANCELLED,)) == [(queued, 16)]
+    assert fail_item(engine, running, me, "cancelled while running", final=True, status=Status.CANCELLED) \
+        == Status.QUEUED
+    with session_scope(engine) as session:
+        assert [session.get(Item, running).status, session.get(Batch, batch.id).status] == ["queued", "running"]
+
+
+def test_a_failure_to_retry_in_a_cancelled_batch_cancels_the_item(engine: Engine) -> None:
+    """Queued for a retry, the item waited in a cancelled batch: its retry was skipped as
+    cancelled, and a resume (which reopens cancelled items) left it queued with no job."""
+    with session_scope(engine) as session:
+        batch = new_batch(session)
+        item_id = new_item(session, batch, "a").id
+    me = Worker("host", 1)
+    claim_item(engine, item_id, me)
+    cancel(engine, None, batch.id)
+    assert fail_item(engine, item_id, me, "MemoryError: out of memory", final=False) == Status.CANCELLED
+    with session_scope(engine) as session:
+        item = session.get(Item, item_id)
+        assert (item.status, item.last_error, item.batch.status) == \
+            ("cancelled", "MemoryError: out of memory", "cancelled")
+
+
 def test_a_lease_is_judged_by_the_database_s_clock_when_machines_share_it(pg_url: str, monkeypatch) -> None:
     """Workers on several machines share a PostgreSQL database: one whose clock runs ten minutes
     behind wrote leases that every other worker read as run out, and a second worker took over
@@ -672,6 +717,27 @@ def test_a_lease_is_judged_by_the_database_s_clock_when_machines_share_it(pg_url
         item = session.get(Item, item_id)
         assert timedelta(0) <= item.finished_at - item.started_at < timedelta(minutes=1)
     engine.dispose()
+
+
+def test_a_worker_in_another_pid_namespace_keeps_its_item_while_its_lease_runs(engine: Engine) -> None:
+    """Containers that share the host's network share its host name but not its pids: a worker
+    looked up another container's worker pid in its own table, found no such process and took
+    over the item it was decoding."""
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare (util-linux) to run a process in a pid namespace of its own")
+    seen = subprocess.run(["unshare", "--pid", "--fork", sys.executable, "-c",
+                           "from polspec.store.items import this_host; print(this_host())"],
+                          capture_output=True, text=True)
+    if seen.returncode != 0:
+        pytest.skip(f"cannot make a pid namespace here: {seen.stderr.strip()}")
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid no process has here, as another namespace's worker pid would be
+    container = Worker(seen.stdout.strip(), gone.pid)
+    with session_scope(engine) as session:
+        item_id = new_item(session, new_batch(session), "a").id
+    claim_item(engine, item_id, container)
+    assert claim_item(engine, item_id, Worker.this_process()) == \
+        f"item {item_id} is running on {container.host} (pid {gone.pid})"
 
 
 def test_readonly_engine_refuses_writes(engine: Engine) -> None:
@@ -732,6 +798,9 @@ def test_cli_upgrade_and_current(db_url: str) -> None:
     runner = CliRunner()
     env = {"POLSPEC_DB_URL": db_url}
     shown = display_url(db_url)
+    if (path := sqlite_file(make_url(db_url))) is not None:  # an empty database, as a new PostgreSQL one is
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.touch()
 
     before = json.loads(runner.invoke(db, ["current", "--json"], env=env, catch_exceptions=False).output)
     assert before == {"url": shown, "current": None, "head": head_revision(), "up_to_date": False}

@@ -46,11 +46,10 @@ def recover(batch_id: int | None) -> None:
         if batch_id is not None:
             require_batch(engine, batch_id)  # an unknown batch is an error, not "nothing to recover"
         report = recover_items(engine, connection, batch_id)
-    if not report.total:
+    if not report.total and not report.failed:
         click.echo("nothing to recover: every unfinished item has a job")
         return
-    reasons = ", ".join(f"{count} {reason}" for reason, count in report.reasons.items())
-    click.echo(f"re-enqueued {report.total} items ({reasons}); run polspec worker to finish them")
+    click.echo(report.describe() + ("; run polspec worker to finish them" if report.total else ""))
 
 
 @click.command()

@@ -7,7 +7,14 @@ import json
 import click
 
 from polspec.store.engine import display_url
-from polspec.store.migrate import current_revision, head_revision, is_newer_than_polspec, newer_schema, upgrade
+from polspec.store.migrate import (
+    current_revision,
+    head_revision,
+    is_newer_than_polspec,
+    newer_schema,
+    require_named_database,
+    upgrade,
+)
 
 
 @click.group()
@@ -53,6 +60,7 @@ def current_command(as_json: bool) -> None:
       polspec db current
       polspec db current --json | jq .up_to_date
     """
+    require_named_database()
     current, head = current_revision(), head_revision()
     if as_json:
         row = {"url": display_url(), "current": current, "head": head, "up_to_date": current == head}

@@ -9,7 +9,13 @@ from pathlib import Path
 
 import click
 
-from polspec.cli.options import a_path, decoding_options, decoding_params, note_if_the_draft_is_the_target
+from polspec.cli.options import (
+    a_path,
+    decoding_options,
+    decoding_params,
+    note_if_the_draft_is_the_target,
+    note_options_without_effect,
+)
 from polspec.errors import PolspecError
 from polspec.jobs.datasets import DATASETS, load_dataset
 from polspec.jobs.spec import has_control_characters
@@ -40,7 +46,8 @@ def enqueue() -> None:
                    "(not to a cancelled batch: resume it with polspec retry BATCH --cancelled).")
 @decoding_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object: batch, name, queue, added, existing.")
-def generate(input_path: str | None, dataset: str | None, limit: int | None, name: str | None, target: str,
+@click.pass_context
+def generate(ctx: click.Context, input_path: str | None, dataset: str | None, limit: int | None, name: str | None, target: str,
              draft: str, raw: bool, as_json: bool, **options) -> None:
     """Queue one generation per prompt, decoded with the options given, on the target's queue
     (polspec-TARGET, which `polspec worker` serves; `--queue TARGET` for that one alone). Give
@@ -72,6 +79,8 @@ def generate(input_path: str | None, dataset: str | None, limit: int | None, nam
     spec = GenerateSpec(target, None if draft == "none" else draft, params, False if raw else None, source)
     done = enqueue_generate(spec, items, name)
     note_if_the_draft_is_the_target(target, draft)
+    note_options_without_effect(ctx, draft, sampling=params.temperature > 0
+                                or any(item.overrides.get("temperature") for item in items))
     if as_json:
         click.echo(json.dumps({"batch": done.batch_id, "name": done.name, "queue": done.queue,
                                "added": done.added, "existing": done.existing}))

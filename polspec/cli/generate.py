@@ -7,7 +7,12 @@ import sys
 
 import click
 
-from polspec.cli.options import decoding_options, decoding_params, note_if_the_draft_is_the_target
+from polspec.cli.options import (
+    decoding_options,
+    decoding_params,
+    note_if_the_draft_is_the_target,
+    note_options_without_effect,
+)
 
 
 class _Printer:
@@ -40,7 +45,8 @@ class _Printer:
 @decoding_options
 @click.option("--show-accepted", is_flag=True, help="Mark text the target accepted from the draft.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object: text, token ids, spans, metrics.")
-def generate(prompt: str, target: str, draft: str, raw: bool, show_accepted: bool, as_json: bool, **options) -> None:
+@click.pass_context
+def generate(ctx: click.Context, prompt: str, target: str, draft: str, raw: bool, show_accepted: bool, as_json: bool, **options) -> None:
     """Generate a continuation of PROMPT, speculatively when a --draft is given.
 
     The output is always the target's: with a draft, every token is still chosen by the
@@ -75,6 +81,7 @@ def generate(prompt: str, target: str, draft: str, raw: bool, show_accepted: boo
     if draft != "none":
         registry.model(draft)
     note_if_the_draft_is_the_target(target, draft)
+    note_options_without_effect(ctx, draft, sampling=params.temperature > 0)
     target_model = load_model(target)
     draft_model = None if draft == "none" else load_model(draft)
     if draft_model is not None and params.k == "auto" and load_probe(target, draft) is None:

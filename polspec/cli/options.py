@@ -6,6 +6,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
 from polspec.decoding.params import DRAFT_VOCAB, K_POLICIES, MAX_K, PARTIAL_WORD, STRATEGIES, VERIFY
 from polspec.errors import PolspecError
@@ -141,3 +142,22 @@ def note_if_the_draft_is_the_target(target: str, draft: str) -> None:
     if (ours.sha256 or ours.source) == (theirs.sha256 or theirs.source):
         click.echo(f"note: the draft {draft} is the target's own model: its guesses cost as much as the "
                    "target's steps, so --draft none is faster", err=True)
+
+
+
+# Options that change nothing without a draft, and at temperature 0 (greedy decoding).
+DRAFT_OPTIONS = ("k", "strategy", "prefix", "partial_word", "draft_vocab", "verify")
+SAMPLING_OPTIONS = ("top_p", "top_k", "seed", "verify")
+
+
+def note_options_without_effect(ctx: click.Context, draft: str, sampling: bool) -> None:
+    """Say so, on stderr, when options typed on the command line change nothing: the draft's
+    without a draft, the sampler's when nothing is sampled (``sampling`` False). A user who
+    asked for ``--seed 7`` at temperature 0 should not believe the seed was used."""
+    typed = [name for name in ctx.params if ctx.get_parameter_source(name) is ParameterSource.COMMANDLINE]
+    without_draft = [name for name in typed if name in DRAFT_OPTIONS] if draft == "none" else []
+    greedy = [name for name in typed if name in SAMPLING_OPTIONS and name not in without_draft] if not sampling else []
+    for unused, reason in ((without_draft, "without a --draft"), (greedy, "at --temperature 0 (greedy decoding)")):
+        if unused:
+            names = ", ".join("--" + name.replace("_", "-") for name in unused)
+            click.echo(f"note: {names} {'has' if len(unused) == 1 else 'have'} no effect {reason}", err=True)

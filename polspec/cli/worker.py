@@ -49,7 +49,9 @@ def worker(batch: int | None, burst: bool, queues: tuple[str, ...], log_level: s
     Items with the same target and draft decode together in one continuous batch (one
     forward for all of them; a finished item's slot goes to the next queued one), which
     multiplies throughput on a bandwidth-bound machine. Models stay loaded between jobs. At
-    start the worker re-enqueues items whose worker died. Ctrl+C (or SIGTERM) takes no new
+    start the worker re-enqueues items whose worker died, and items that lost their job (Redis
+    restarted empty, an outage) again after an outage and every ten minutes while it has nothing
+    to do, as polspec recover does. Ctrl+C (or SIGTERM) takes no new
     items, finishes the ones in flight and stops; a second one stops at once (those items
     then run again on the next worker).
 
@@ -65,9 +67,8 @@ def worker(batch: int | None, burst: bool, queues: tuple[str, ...], log_level: s
     from polspec.worker.run import WorkerOptions, run_worker
 
     def started(requeued: Requeued, names: list[str]) -> None:
-        if requeued.total:
-            reasons = ", ".join(f"{count} {reason}" for reason, count in requeued.reasons.items())
-            click.echo(f"re-enqueued {requeued.total} unfinished items ({reasons})", err=True)
+        if requeued.total or requeued.failed:
+            click.echo(requeued.describe(), err=True)
         shown = names if len(names) <= 4 else [*names[:3], f"and {len(names) - 3} more"]
         click.echo(f"serving {', '.join(shown)}" + (" until empty" if burst else ""), err=True)
 

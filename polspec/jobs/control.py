@@ -5,7 +5,9 @@ without AOF, a worker killed mid-job), :func:`recover` finds the unfinished item
 re-enqueues those whose job cannot finish on its own:
 
 - a *running* item whose worker is gone (dead pid on this host, or a lease that ran out) goes
-  back to queued and gets a fresh job;
+  back to queued and gets a fresh job; unless its worker stopped while running it on each of
+  its ``1 + RETRIES`` attempts (killed for memory, say): then it fails with that reason, as an
+  item whose error repeats does, rather than bring down worker after worker;
 - a *queued* item gets a fresh job when its job is missing, already ended, not in its queue,
   unreadable, or names another function than :data:`~polspec.jobs.queue.JOB_FUNCTION` (queued
   by an older polspec, before the job function moved).
@@ -24,26 +26,41 @@ from rq.job import JobStatus
 from sqlalchemy import Engine, select, update
 
 from polspec.errors import PolspecError
-from polspec.jobs.queue import (JOB_FUNCTION, delete_jobs, enqueue_items, job_id, job_states, make_queue,
-                               queue_name)
+from polspec.jobs.queue import (JOB_FUNCTION, RETRIES, delete_jobs, enqueue_items, job_id, job_states,
+                               make_queue, queue_name)
 from polspec.store.engine import session_scope
 from polspec.store.items import (DEFAULT_LEASE_S, Worker, database_id, database_now, max_tokens, owner_gone,
-                                 reopen_items)
+                                 reopen_items, settle_batch)
 from polspec.store.queries import find_batch
 from polspec.store.schema import Batch, Item, Status
 
 _WAITING = {JobStatus.QUEUED, JobStatus.DEFERRED, JobStatus.SCHEDULED}
+GONE_EVERY_TIME = f"the worker stopped while running it, {1 + RETRIES} times (killed for memory?)"
 
 
 @dataclass
 class Requeued:
-    """Items given a fresh job, by the reason they needed one."""
+    """Items given a fresh job, by the reason they needed one; and running items failed
+    instead, their worker having stopped on every attempt."""
 
     reasons: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    failed: int = 0
 
     @property
     def total(self) -> int:
         return sum(self.reasons.values())
+
+    def describe(self) -> str:
+        """In words: "re-enqueued 4 items (3 job missing, 1 worker gone)", and "failed 2 items
+        ..." where any failed."""
+        said = []
+        if self.total:
+            reasons = ", ".join(f"{count} {reason}" for reason, count in self.reasons.items())
+            said.append(f"re-enqueued {self.total} items ({reasons})")
+        if self.failed:
+            said.append(f"failed {self.failed} items whose worker stopped while running them, {1 + RETRIES} times "
+                        "(killed for memory?)")
+        return "; ".join(said)
 
 
 def recover(engine: Engine, connection: redis.Redis, batch_id: int | None = None,
@@ -73,7 +90,11 @@ def recover(engine: Engine, connection: redis.Redis, batch_id: int | None = None
     report = Requeued()
     to_enqueue: dict[str, list[tuple[int, int]]] = defaultdict(list)
     for item in running:
-        if owner_gone(item, me, now, lease_s) and _requeue_abandoned(engine, item):
+        if not owner_gone(item, me, now, lease_s):
+            continue
+        if item.attempts > RETRIES:
+            report.failed += _fail_abandoned(engine, item)
+        elif _requeue_abandoned(engine, item):
             report.reasons["worker gone"] += 1
             to_enqueue[queues[item.batch_id]].append((item.id, item.params["max_tokens"]))
     for item_id, item_batch, tokens in queued:
@@ -103,12 +124,30 @@ def recover(engine: Engine, connection: redis.Redis, batch_id: int | None = None
 def _requeue_abandoned(engine: Engine, item: Item) -> bool:
     """Queue an abandoned running item again, unless it was claimed or renewed since it was read
     (another recover or a worker got there first); True if this call requeued it."""
-    heartbeat = Item.heartbeat_at.is_(None) if item.heartbeat_at is None else Item.heartbeat_at == item.heartbeat_at
     with session_scope(engine) as session:
         return session.execute(
-            update(Item).where(Item.id == item.id, Item.status == Status.RUNNING.value,
-                               Item.attempts == item.attempts, heartbeat)
+            update(Item).where(*_unchanged_since_read(item))
             .values(status=Status.QUEUED.value, last_error="worker stopped while running it")).rowcount == 1
+
+
+def _fail_abandoned(engine: Engine, item: Item) -> bool:
+    """Fail an abandoned running item (see the module docstring), on the terms of
+    :func:`_requeue_abandoned`; True if this call failed it."""
+    with session_scope(engine) as session:
+        failed = session.execute(
+            update(Item).where(*_unchanged_since_read(item))
+            .values(status=Status.FAILED.value, last_error=GONE_EVERY_TIME,
+                    finished_at=database_now(session))).rowcount == 1
+        if failed:
+            settle_batch(session, session.get(Batch, item.batch_id))
+        return failed
+
+
+def _unchanged_since_read(item: Item) -> tuple:
+    """The conditions under which a running item read earlier is still as it was: running, on
+    the same attempt, its lease not renewed."""
+    heartbeat = Item.heartbeat_at.is_(None) if item.heartbeat_at is None else Item.heartbeat_at == item.heartbeat_at
+    return Item.id == item.id, Item.status == Status.RUNNING.value, Item.attempts == item.attempts, heartbeat
 
 
 def cancel(engine: Engine, connection: redis.Redis | None, batch_id: int) -> tuple[int, bool]:

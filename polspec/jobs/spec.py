@@ -190,9 +190,11 @@ def parse_item(data: Any, where: str, base: DecodingParams) -> ItemInput:
     unknown = sorted(set(data) - set(ITEM_KEYS))
     if unknown:
         raise PolspecError(f"{where}: unknown key {unknown[0]!r} (allowed: {', '.join(ITEM_KEYS)})")
-    key = data.get("id")
-    if isinstance(key, bool) or not isinstance(key, str | int) or not str(key).strip():
+    if "id" not in data:
         raise PolspecError(f"{where}: every line needs an 'id' (a non-empty string or a whole number)")
+    key = data["id"]
+    if isinstance(key, bool) or not isinstance(key, str | int) or not str(key).strip():
+        raise PolspecError(f"{where}: 'id' must be a non-empty string or a whole number, got {json.dumps(key)}")
     try:
         check_text(str(key), "the id")
     except PolspecError as error:

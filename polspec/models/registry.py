@@ -6,6 +6,7 @@ user file ``$POLSPEC_HOME/models.toml`` has the same shape and wins over built-i
 
 from __future__ import annotations
 
+import codecs
 import difflib
 import tomllib
 from dataclasses import dataclass, field
@@ -166,7 +167,7 @@ def load_registry(user_file: Path | None = None) -> Registry:
 def read_registry_text(path: Path) -> str:
     """The text of the user's registry file, or a one-line error saying why it cannot be read."""
     try:
-        return path.read_text(encoding="utf-8")
+        return path.read_bytes().removeprefix(codecs.BOM_UTF8).decode("utf-8")  # an editor's byte order mark is no error
     except UnicodeDecodeError as error:
         raise not_utf8(str(path), error) from None
     except OSError as error:

@@ -28,16 +28,33 @@ UNFINISHED = (Status.QUEUED.value, Status.RUNNING.value)
 NUL_STAND_IN = "\ufffd"  # what a stored result has for U+0000 (see without_nul)
 
 
+# The Linux kernel's fixed inode for the machine's own pid namespace (PROC_PID_INIT_INO).
+MACHINE_PID_NAMESPACE = "pid:[4026531836]"
+
+
 @dataclass(frozen=True)
 class Worker:
-    """The process that claims items: host name and pid."""
+    """The process that claims items: where its pid means something, and the pid."""
 
     host: str
     pid: int
 
     @classmethod
     def this_process(cls) -> Worker:
-        return cls(socket.gethostname(), os.getpid())
+        return cls(this_host(), os.getpid())
+
+
+def this_host() -> str:
+    """The host name, followed on Linux by the pid namespace when it is not the machine's own.
+    Containers that share the host's network share its name but not its pids: without the
+    namespace a worker in one would look up another's pid in its own table, find it dead and
+    take over items that are still running."""
+    name = socket.gethostname()
+    try:
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:  # no /proc (macOS)
+        return name
+    return name if namespace == MACHINE_PID_NAMESPACE else f"{name} {namespace}"
 
 
 def database_id(engine: Engine) -> str:
@@ -204,17 +221,32 @@ def without_nul(result: Result) -> Result:
 
 
 def fail_item(engine: Engine, item_id: int, me: Worker, reason: str, *, final: bool,
-              status: Status = Status.FAILED) -> None:
-    """Record a failure. ``final`` marks the item ``status``; otherwise it goes back to queued for a retry."""
+              status: Status = Status.FAILED) -> Status | None:
+    """Record a failure. ``final`` marks the item ``status``; otherwise it goes back to queued for
+    a retry. Returns the status written (None: the item is not this worker's).
+
+    The batch's status, read under its lock, has the last word on a cancellation: an item
+    stopped because its batch was cancelled is queued again if the batch was resumed meanwhile
+    (``retry --cancelled`` reopens only cancelled items, and this one was still running; its job
+    has ended, so recover gives it one: a worker's idle maintenance, a burst's end), and
+    one that would be retried in a cancelled batch is cancelled (its retry would be skipped, and
+    the resume would not see it)."""
     with session_scope(engine) as session:
         item = _locked_item(session, item_id)
         if item is None or item.status != Status.RUNNING.value or not _held_by(item, me):
-            return
+            return None
+        session.refresh(item.batch, with_for_update=True)  # the item's lock first, as claim and finish take them
+        batch_cancelled = item.batch.status == Status.CANCELLED.value
+        if status is Status.CANCELLED and not batch_cancelled:
+            final = False
+        elif batch_cancelled and not final:
+            final, status = True, Status.CANCELLED
         item.last_error = reason
         item.status = status.value if final else Status.QUEUED.value
         if final:
             item.finished_at = database_now(session)
             settle_batch(session, item.batch)
+        return Status(item.status)
 
 
 def _held_by(item: Item, me: Worker) -> bool:

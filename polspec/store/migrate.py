@@ -109,8 +109,8 @@ def upgraded_database(url: str | None = None, *, readonly: bool = False, create:
     at the head revision (one behind it is an error there: it cannot be upgraded).
     """
     path = sqlite_file(parse_url(url))
-    if not create and path is not None and not path.exists() and (url is not None or database_url_set()):
-        raise _no_such_file(url)
+    if not create:
+        require_named_database(url)
     if create:
         ensure_schema(url)
     elif (revision := _existing_revision(url)) != head_revision():
@@ -154,6 +154,15 @@ def require_current_schema(url: str | None = None) -> None:
         f"database {display_url(url)} is at revision {current or 'none (empty)'}, "
         f"polspec needs {head}: run polspec db upgrade"
     )
+
+
+def require_named_database(url: str | None = None) -> None:
+    """Raise :class:`PolspecError` where the user named a SQLite file (``url`` or
+    ``POLSPEC_DB_URL``) that does not exist: a mistyped one, which "run polspec db upgrade"
+    would create, empty. The default database under ``POLSPEC_HOME`` may not exist yet."""
+    path = sqlite_file(parse_url(url))
+    if path is not None and not path.exists() and (url is not None or database_url_set()):
+        raise _no_such_file(url)
 
 
 def _no_such_file(url: str | None) -> PolspecError:

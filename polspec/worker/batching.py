@@ -209,6 +209,12 @@ class BatchRun:
 
     def _start(self, job: Job, first: bool = False) -> None:
         """RQ's bookkeeping for a starting job, then the item's claim, and the item joins."""
+        if job.args[1] in self.running:
+            # Its job again, under the same id (a recover read it as queued as this batch took
+            # it): the claim would pass, this worker holding the item, and the decoder refuse
+            # it, which would fail an item that is decoding. The first delivery ends the job.
+            log.info("item %d is in this batch already: its job's second delivery is dropped", job.args[1])
+            return
         execution = self.worker.prepare_execution(job)
         self.worker.prepare_job_execution(job, remove_from_intermediate_queue=first and len(self.worker.queues) == 1)
         job.started_at = now()

@@ -10,9 +10,16 @@ Why a subclass (facts in ``design/QUEUE.md``):
   the main thread (MLX streams are thread-local);
 - Redis may restart while an item runs. The result is already in the database by then, so
   the worker waits for Redis to come back instead of quitting. Likewise a database that fails
-  (a restart, SQLite locked past its busy timeout) ends a batch, its jobs go back to RQ for a
-  retry, and the worker waits for the database: RQ's loop would quit on the error, with
-  status 0, and leave the items running until a worker starts again;
+  (a restart, SQLite locked past its busy timeout) ends a batch, or a job, whose jobs go back
+  to RQ for a retry, and the worker waits for the database: RQ's loop would quit on the error,
+  with status 0, and leave the items running until a worker starts again; or, where RQ took the
+  error itself (a job run alone), take job after job, each failing at once until its retries
+  ran out, and leave their items queued with no job. Once either is back the worker runs
+  :func:`~polspec.jobs.control.recover`, which gives a job to every item the outage left
+  without one;
+- the same recover runs at RQ's maintenance (every ten minutes) when the worker's queues are
+  empty: items whose jobs Redis lost while the worker waited for work (a restart without
+  persistence, a flush) run without anyone typing ``polspec recover``;
 - only :data:`~polspec.jobs.queue.JOB_FUNCTION` is run: anyone who can write to Redis can name
   any importable function, and polspec refuses before importing it;
 - with ``batch`` other than 1 a job whose item may share forwards starts a continuous batch
@@ -39,6 +46,7 @@ from rq.worker import SimpleWorker
 from sqlalchemy import text
 
 from polspec.errors import DatabaseFailure, PolspecError
+from polspec.jobs.control import recover
 from polspec.jobs.queue import JOB_FUNCTION
 from polspec.store.engine import session_scope
 from polspec.store.items import item_pairings, renew_leases
@@ -77,6 +85,7 @@ class PolspecWorker(SimpleWorker):
         self.batch = batch
         self.active: dict[str, tuple[Job, object]] = {}  # job id -> (job, execution): what the heartbeat renews
         self.on_job_end: Callable[[], None] | None = None  # e.g. to redraw a progress bar
+        self.database_failure: DatabaseFailure | None = None  # why a job RQ ran failed, if the database did
 
     def get_heartbeat_ttl(self, job: Job, working_time: float = 0.0) -> int:
         # The heartbeat thread renews the entry every interval, so it only has to outlive one
@@ -100,7 +109,7 @@ class PolspecWorker(SimpleWorker):
     def execute_job(self, job: Job, queue: Queue) -> None:
         try:
             pairing, size = self._batching(job)
-        except DatabaseFailure:  # the plain path runs it: its failure goes through RQ's retries
+        except DatabaseFailure:  # the plain path runs it: its claim fails, and the worker waits (below)
             pairing, size = None, 1
         stop = threading.Event()
         beat = threading.Thread(target=self._beat, args=(stop,), name="polspec-heartbeat", daemon=True)
@@ -111,21 +120,26 @@ class PolspecWorker(SimpleWorker):
                 self.active[job.id] = (job, execution)
                 self.perform_job(job, queue, execution)
                 self.job_ended()
+                if self.database_failure is not None:  # RQ took it, and retries the job
+                    raise self.database_failure
             else:
                 run = BatchRun(self, queue, pairing, size)
                 run.run(job)
-                if run.redis_failed:
-                    self._wait_for_redis()
+                if run.redis_failed and self._wait_for_redis():
+                    self._recover()
             self.set_state("idle")
         except redis.RedisError as error:
             log.warning("Redis failed after job %s (%s); its item's state is in the database. Waiting for Redis.",
                         job.id, error)
-            self._wait_for_redis()
+            if self._wait_for_redis():
+                self._recover()
         except DatabaseFailure as error:
-            log.warning("the database failed (%s): the batch's jobs go back to RQ for a retry. Waiting for the "
+            log.warning("the database failed (%s): the jobs in flight go back to RQ for a retry. Waiting for the "
                         "database.", error)
-            self._wait_for_database()
+            if self._wait_for_database():
+                self._recover()
         finally:
+            self.database_failure = None
             stop.set()
             beat.join()
             self.active.clear()
@@ -143,7 +157,21 @@ class PolspecWorker(SimpleWorker):
         # that said why. The item itself waits, running, for the next worker or recover.
         if exc_info[0] is SystemExit:
             return
+        if isinstance(exc_info[1], DatabaseFailure):
+            self.database_failure = exc_info[1]
         super().handle_exception(job, *exc_info)
+
+    def run_maintenance_tasks(self) -> None:
+        first = self.last_cleaned_at is None  # run_worker recovered just before
+        super().run_maintenance_tasks()
+        if first:
+            return
+        try:
+            idle = all(queue.count == 0 for queue in self.queues)
+        except redis.RedisError:  # RQ's loop waits for Redis
+            return
+        if idle:
+            self._recover()
 
     def handle_warm_shutdown_request(self) -> None:
         # Said at warning level so that a user who pressed Ctrl+C sees it took, and what a
@@ -183,23 +211,36 @@ class PolspecWorker(SimpleWorker):
                 except Exception as error:  # noqa: BLE001
                     log.warning("renewing the leases of items %s failed: %s", items, error)
 
-    def _wait_for_redis(self) -> None:
-        self._wait_until(self.connection.ping, redis.RedisError)
+    def _recover(self) -> None:
+        """Give a job to every unfinished item left without one (see the module docstring)."""
+        ctx = context.current()
+        try:
+            requeued = recover(ctx.engine, self.connection, me=ctx.me, lease_s=ctx.lease_s)
+        except (redis.RedisError, DatabaseFailure) as error:  # the next outage's end, or maintenance, tries again
+            log.warning("could not recover items left without a job: %s", error)
+            return
+        if requeued.total or requeued.failed:
+            log.warning("items left without a job: %s", requeued.describe())
 
-    def _wait_for_database(self) -> None:
+    def _wait_for_redis(self) -> bool:
+        return self._wait_until(self.connection.ping, redis.RedisError)
+
+    def _wait_for_database(self) -> bool:
         def write_transaction() -> None:  # what a claim needs: on SQLite it takes the write lock
             with session_scope(context.current().engine) as session:
                 session.execute(text("SELECT 1"))
 
-        self._wait_until(write_transaction, DatabaseFailure)
+        return self._wait_until(write_transaction, DatabaseFailure)
 
-    def _wait_until(self, answers: Callable[[], object], failure: type[Exception]) -> None:
-        """Try ``answers`` with a growing pause until it raises no ``failure`` or a stop is asked for."""
+    def _wait_until(self, answers: Callable[[], object], failure: type[Exception]) -> bool:
+        """Try ``answers`` with a growing pause until it raises no ``failure`` (True) or a stop is
+        asked for (False)."""
         wait = 0.5
         while not self._stop_requested:
             try:
                 answers()
-                return
+                return True
             except failure:
                 time.sleep(wait)
                 wait = min(wait * 2, REDIS_WAIT_MAX_S)
+        return False
