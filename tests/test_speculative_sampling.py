@@ -17,7 +17,7 @@ from polspec.decoding import DecodingParams, generate, sampling
 from polspec.decoding.batch import stream_batch
 from polspec.decoding.sampling import NUCLEUS_BOUND, draw_in_proportion, nucleus, sampling_probabilities
 from polspec.decoding.draft_vocab import draft_head
-from polspec.decoding.speculative_sampling import SharedDraft, shared_vocabulary, speculative_choices
+from polspec.decoding.speculative_sampling import SharedDraft, _byte_twins, shared_vocabulary, speculative_choices
 
 from decoding_checks import OPEN_PROMPT, chi_square_critical, goodness_of_fit, sampled_sequences, two_token_bins
 
@@ -187,6 +187,20 @@ def test_the_shared_vocabulary_maps_tokens_to_their_byte_twins(gemma3, smollm2):
     assert proposer.candidates([w, polska, w], cap=2) == [draft_w, pieces[0]]
     identity = shared_vocabulary(gemma3, gemma3)
     assert (identity.to_target == np.arange(len(identity.to_target))).all()
+
+
+def test_a_sentencepiece_target_s_dummy_prefix_is_no_proposal(tokenizer_of):
+    """Bielik-11B's Mistral tokenizer puts a dummy-prefix ``▁`` in front of any text it encodes
+    alone: every SmolLM2 token without a twin there (`` Warsaw``) proposed that lone ``▁``, which
+    the target all but never samples, and no proposal went on after one."""
+    draft, target = tokenizer_of("smollm2-135m"), tokenizer_of("tok:mistral-32k")
+    shared = _byte_twins(draft, target, (), None)
+    [warsaw] = draft.encode(" Warsaw", add_special_tokens=False)
+    assert target.convert_ids_to_tokens(shared.pieces[warsaw][shared.pieces[warsaw] >= 0].tolist()) == ["▁Wars", "aw"]
+    assert shared.whole[warsaw]
+    lone_prefix = target.convert_tokens_to_ids("▁")
+    assert not (shared.to_target[~shared.twin] == lone_prefix).any()
+    assert shared.whole[~shared.twin & (shared.to_target >= 0)].mean() > 0.95  # SmolLM2's split tokens go on
 
 
 @pytest.mark.slow

@@ -45,7 +45,7 @@ from polspec.decoding.draft_head import DraftHead, vocabulary_size
 from polspec.decoding.draft_vocab import draft_head, polish_token_weights
 from polspec.decoding.params import DecodingParams
 from polspec.decoding.sampling import draw_in_proportion, position_key, sampling_probabilities
-from polspec.decoding.translate import TokenBytes, token_bytes
+from polspec.decoding.translate import TokenBytes, encode_after, token_bytes
 from polspec.models.loader import LoadedModel
 
 # What a random draw is for, in position_key.
@@ -122,7 +122,9 @@ def _byte_twins(draft_tokenizer, target_tokenizer, draft_eos: tuple[int, ...], t
 def _target_pieces(draft: TokenBytes, target: TokenBytes, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """For draft tokens without a twin, the target's tokens of their text and whether they spell
     all of it (`` przepływa`` in Qwen2.5's tokens is `` prz``, ``ep``, ``ły``, ``wa``); where
-    they do not, only a first token that is a proper prefix of it; else none."""
+    they do not, only a first token that is a proper prefix of it; else none. A SentencePiece
+    target's dummy prefix is left out: Mistral's tokens of `` przepływa`` are ``▁``, ``▁prz``,
+    ``ep``, ``ły``, ``wa``, and the text itself starts at ``▁prz``."""
     texts, which = [], []
     for token in tokens.tolist():
         raw = draft.raw[token]
@@ -137,7 +139,9 @@ def _target_pieces(draft: TokenBytes, target: TokenBytes, tokens: np.ndarray) ->
     encoded = target.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
     for token, text, ids in zip(which, texts, encoded):
         row = position[token]
-        if ids and target.text(ids) == text.encode():
+        spelled = encode_after(target, b"", text.encode(), ids) if ids else None
+        if spelled and spelled[1]:
+            ids = spelled[1]
             pieces[row, : min(len(ids), MAX_PIECES)] = ids[:MAX_PIECES]
             whole[row] = len(ids) <= MAX_PIECES
         elif ids and target.raw[ids[0]] and text.encode().startswith(target.raw[ids[0]]):

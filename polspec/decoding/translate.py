@@ -98,20 +98,23 @@ def _cumulative(table: TokenBytes, ids: list[int]) -> list[int]:
     return ends
 
 
-def encode_after(table: TokenBytes, context: bytes, text: bytes) -> tuple[list[int], list[int]] | None:
+def encode_after(table: TokenBytes, context: bytes, text: bytes,
+                 ids: list[int] | None = None) -> tuple[list[int], list[int]] | None:
     """Tokenize ``text`` as the tokenizer would right after ``context``.
 
     Returns ``(context_ids, text_ids)`` with raw bytes equal to ``context`` and ``text``
     exactly, or None when some token spans the boundary between the two (or the tokenizer
     cannot represent the text byte for byte). A SentencePiece dummy prefix added in front
     of the context is not part of ``context_ids``; one fused into the first token of the
-    text (no context) makes it unrepresentable, hence None.
+    text (no context) makes it unrepresentable, hence None. ``ids``: the tokenizer's encoding
+    of ``context + text`` where the caller has it (encoded in one batch with others).
     """
     full = context + text
-    try:
-        ids = table.encode(full)
-    except UnicodeDecodeError:  # a context window that starts inside a character
-        return None
+    if ids is None:
+        try:
+            ids = table.encode(full)
+        except UnicodeDecodeError:  # a context window that starts inside a character
+            return None
     ends = _cumulative(table, ids)
     offset = ends[-1] - len(full)
     if offset < 0 or table.text(ids)[offset:] != full:
