@@ -73,7 +73,7 @@ def test_worker_killed_mid_item_then_restarted_does_every_item_once(env):
     assert statuses(env).get("running") == 1  # the killed worker's item, left behind
 
     output = worker_in_process(env, "--burst", "--batch", "1")
-    assert "re-enqueued 1 items (1 worker gone)" in output
+    assert "re-enqueued 1 item (1 worker gone)" in output
     items = assert_each_item_done_once(env, 6)
     assert sorted(item.attempts for item in items) == [1, 1, 1, 1, 1, 2]
 

@@ -26,11 +26,11 @@ from sqlalchemy import select
 from polspec.cli import main
 from polspec.decoding import DecodingParams, generate
 from polspec.errors import PolspecError
-from polspec.jobs.control import _requeue_abandoned
+from polspec.jobs.control import _requeue_abandoned, recover
 from polspec.jobs.queue import JOB_FUNCTION, job_id, queue_name
 from polspec.report.summary import Window, joules_per_token
 from polspec.store.engine import make_engine, session_scope
-from polspec.store.items import Worker, claim_item, database_id, this_host
+from polspec.store.items import Worker, claim_item, database_id, fail_item, this_host
 from polspec.store.migrate import upgrade
 from polspec.store.schema import EnergyWindow, Item, Result
 from polspec.worker import context
@@ -252,32 +252,41 @@ def test_recover_leaves_an_item_claimed_after_it_read_it(env):
     engine.dispose()
 
 
-def test_an_item_whose_worker_stopped_on_every_attempt_fails_instead_of_running_again(env):
+def test_an_item_whose_worker_stopped_on_every_try_fails_instead_of_running_again(env):
     """A prompt that gets its worker killed (out of memory) is tried three times, as one whose
-    error repeats is: recover used to requeue it for ever, taking worker after worker down."""
+    error repeats is: recover used to requeue it for ever, taking worker after worker down. An
+    item retried after ordinary errors whose worker then stopped once runs again."""
     cli(env, "enqueue", "generate", "--dataset", "pl-short", "--limit", "2", "--target", "smollm2-135m")
     engine = make_engine(env["POLSPEC_DB_URL"])
+    connection = redis.Redis.from_url(env["POLSPEC_REDIS_URL"])
     gone = subprocess.Popen(["true"])
-    gone.wait()  # a pid no process has: the killed worker's
-    twice, thrice = sorted(item.id for item, _ in results_by_key(env).values())
-    for item_id, attempts in ((twice, 2), (thrice, 3)):
-        for _ in range(attempts):
-            claim_item(engine, item_id, Worker(this_host(), gone.pid), lease_s=0)
+    gone.wait()
+    killed_worker, me = Worker(this_host(), gone.pid), Worker.this_process()  # a pid no process has
+    retried, killing = sorted(item.id for item, _ in results_by_key(env).values())
+    for _ in range(2):
+        claim_item(engine, killing, killed_worker)
+        assert recover(engine, connection).reasons == {"worker gone": 1}
+    claim_item(engine, killing, killed_worker)
+    for _ in range(2):  # two errors, each retried
+        claim_item(engine, retried, me)
+        fail_item(engine, retried, me, "MemoryError: out of memory", final=False)
+    claim_item(engine, retried, killed_worker)
     code, output = cli(env, "recover")
-    assert (code, output) == (0, "re-enqueued 1 items (1 worker gone); failed 1 items whose worker stopped while "
-                                 "running them, 3 times (killed for memory?); run polspec worker to finish them\n")
+    assert (code, output) == (0, "re-enqueued 1 item (1 worker gone); failed 1 item whose worker stopped while "
+                                 "running it, 3 times (killed for memory?); run polspec worker to finish them\n")
     with session_scope(engine) as session:
-        assert session.get(Item, twice).status == "queued"
-        failed = session.get(Item, thrice)
-        assert (failed.status, failed.last_error) == \
-            ("failed", "the worker stopped while running it, 3 times (killed for memory?)")
+        again = session.get(Item, retried)
+        assert (again.status, again.attempts, again.stops) == ("queued", 3, 1)
+        failed = session.get(Item, killing)
+        assert (failed.status, failed.stops, failed.last_error) == \
+            ("failed", 3, "its worker stopped while running it, 3 times (killed for memory?)")
         assert failed.batch.status == "running" and failed.finished_at is not None
     engine.dispose()
 
 
 def test_an_idle_worker_gives_a_job_to_items_redis_lost_at_its_maintenance(env):
     """Redis restarted without its data while a worker waited for work: the items waited for
-    someone to type polspec recover. Maintenance (every ten minutes) recovers them once the
+    someone to type polspec recover. Maintenance (every 10-15 minutes) recovers them once the
     worker's queues are empty; not while they hold work, nor at the start, which recovered."""
     cli(env, "enqueue", "generate", "--dataset", "pl-short", "--limit", "3", "--target", "smollm2-135m")
     connection = redis.Redis.from_url(env["POLSPEC_REDIS_URL"])
@@ -488,7 +497,7 @@ def test_a_job_from_another_database_is_not_run_against_this_one(env, tmp_path, 
     assert results_by_key(env) == {}
     assert results_by_key(other)["short-001"][0].status == "queued"
     code, output = cli(other, "recover")  # its own database's recover gives it a new job
-    assert code == 0 and "re-enqueued 1 items (1 job finished)" in output
+    assert code == 0 and "re-enqueued 1 item (1 job finished)" in output
 
 
 @pytest.mark.slow

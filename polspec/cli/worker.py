@@ -49,11 +49,11 @@ def worker(batch: int | None, burst: bool, queues: tuple[str, ...], log_level: s
     Items with the same target and draft decode together in one continuous batch (one
     forward for all of them; a finished item's slot goes to the next queued one), which
     multiplies throughput on a bandwidth-bound machine. Models stay loaded between jobs. At
-    start the worker re-enqueues items whose worker died, and items that lost their job (Redis
-    restarted empty, an outage) again after an outage and every ten minutes while it has nothing
-    to do, as polspec recover does. Ctrl+C (or SIGTERM) takes no new
-    items, finishes the ones in flight and stops; a second one stops at once (those items
-    then run again on the next worker).
+    start the worker re-enqueues items whose worker died, and, as polspec recover does, items
+    that lost their job (Redis restarted empty, an outage): again after an outage and every
+    10-15 minutes while it has nothing to do. Ctrl+C (or SIGTERM) takes no new items, finishes
+    the ones in flight and stops; a second one stops at once (those items then run again on
+    the next worker; an item whose worker stopped while running it three times fails).
 
     \b
     Examples:

@@ -26,12 +26,12 @@ from importlib import resources
 
 from polspec.decoding.draft_head import DraftHead, can_split
 from polspec.decoding.params import MAX_DRAFT_VOCAB, MIN_DRAFT_VOCAB
-from polspec.decoding.translate import token_bytes
+from polspec.decoding.translate import encode_after, token_bytes
 from polspec.errors import PolspecError
 from polspec.files import write_file_atomically
 from polspec.models.loader import LoadedModel
 
-RANKING_FORMAT = 1
+RANKING_FORMAT = 2  # 2: a SentencePiece tokenizer's dummy prefix is not counted
 RANKING_FILE = "polspec-polish-token-ranking.json"
 RANKED = MAX_DRAFT_VOCAB  # ranks kept in the cached file: every size a pruned draft may have
 CAPITALIZED_WEIGHT = 0.1
@@ -88,9 +88,13 @@ def polish_token_weights(tokenizer, words: int | None = None) -> dict[int, float
     top = max(text_weights)
     texts += _SYMBOLS
     text_weights += [top] * len(_SYMBOLS)
+    table = token_bytes(tokenizer)
     encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
-    for ids, weight in zip(encoded, text_weights):
-        for token in ids:
+    for text, ids, weight in zip(texts, encoded, text_weights):
+        # A SentencePiece dummy prefix (a lone "▁" before " word") is no token of the text:
+        # counted, it was the most used token of Mistral's vocabulary.
+        spelled = encode_after(table, b"", text.encode(), ids)
+        for token in spelled[1] if spelled else ids:
             weights[token] += weight
     return weights
 

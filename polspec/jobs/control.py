@@ -5,9 +5,9 @@ without AOF, a worker killed mid-job), :func:`recover` finds the unfinished item
 re-enqueues those whose job cannot finish on its own:
 
 - a *running* item whose worker is gone (dead pid on this host, or a lease that ran out) goes
-  back to queued and gets a fresh job; unless its worker stopped while running it on each of
-  its ``1 + RETRIES`` attempts (killed for memory, say): then it fails with that reason, as an
-  item whose error repeats does, rather than bring down worker after worker;
+  back to queued and gets a fresh job; unless its worker has now stopped while running it
+  ``1 + RETRIES`` times (killed for memory, say, counted in ``Item.stops``): then it fails with
+  that reason, as an item whose error repeats does, rather than take down worker after worker;
 - a *queued* item gets a fresh job when its job is missing, already ended, not in its queue,
   unreadable, or names another function than :data:`~polspec.jobs.queue.JOB_FUNCTION` (queued
   by an older polspec, before the job function moved).
@@ -35,7 +35,7 @@ from polspec.store.queries import find_batch
 from polspec.store.schema import Batch, Item, Status
 
 _WAITING = {JobStatus.QUEUED, JobStatus.DEFERRED, JobStatus.SCHEDULED}
-GONE_EVERY_TIME = f"the worker stopped while running it, {1 + RETRIES} times (killed for memory?)"
+GONE_EVERY_TIME = f"its worker stopped while running it, {1 + RETRIES} times (killed for memory?)"
 
 
 @dataclass
@@ -56,11 +56,15 @@ class Requeued:
         said = []
         if self.total:
             reasons = ", ".join(f"{count} {reason}" for reason, count in self.reasons.items())
-            said.append(f"re-enqueued {self.total} items ({reasons})")
+            said.append(f"re-enqueued {_items(self.total)} ({reasons})")
         if self.failed:
-            said.append(f"failed {self.failed} items whose worker stopped while running them, {1 + RETRIES} times "
-                        "(killed for memory?)")
+            said.append(f"failed {_items(self.failed)} whose worker stopped while running "
+                        f"{'it' if self.failed == 1 else 'them'}, {1 + RETRIES} times (killed for memory?)")
         return "; ".join(said)
+
+
+def _items(count: int) -> str:
+    return f"{count} item" if count == 1 else f"{count} items"
 
 
 def recover(engine: Engine, connection: redis.Redis, batch_id: int | None = None,
@@ -92,7 +96,7 @@ def recover(engine: Engine, connection: redis.Redis, batch_id: int | None = None
     for item in running:
         if not owner_gone(item, me, now, lease_s):
             continue
-        if item.attempts > RETRIES:
+        if item.stops + 1 == 1 + RETRIES:  # it stopped on every try, this one included
             report.failed += _fail_abandoned(engine, item)
         elif _requeue_abandoned(engine, item):
             report.reasons["worker gone"] += 1
@@ -127,7 +131,8 @@ def _requeue_abandoned(engine: Engine, item: Item) -> bool:
     with session_scope(engine) as session:
         return session.execute(
             update(Item).where(*_unchanged_since_read(item))
-            .values(status=Status.QUEUED.value, last_error="worker stopped while running it")).rowcount == 1
+            .values(status=Status.QUEUED.value, stops=Item.stops + 1,
+                    last_error="worker stopped while running it")).rowcount == 1
 
 
 def _fail_abandoned(engine: Engine, item: Item) -> bool:
@@ -136,7 +141,7 @@ def _fail_abandoned(engine: Engine, item: Item) -> bool:
     with session_scope(engine) as session:
         failed = session.execute(
             update(Item).where(*_unchanged_since_read(item))
-            .values(status=Status.FAILED.value, last_error=GONE_EVERY_TIME,
+            .values(status=Status.FAILED.value, stops=Item.stops + 1, last_error=GONE_EVERY_TIME,
                     finished_at=database_now(session))).rowcount == 1
         if failed:
             settle_batch(session, session.get(Batch, item.batch_id))

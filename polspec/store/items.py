@@ -121,8 +121,10 @@ def claim_item(engine: Engine, item_id: int, me: Worker, lease_s: float = DEFAUL
             return f"item {item_id} is cancelled"
         if item.status in (Status.DONE.value, Status.FAILED.value):
             return f"item {item_id} is already {item.status}"
-        if item.status == Status.RUNNING.value and not _held_by(item, me) and not owner_gone(item, me, now, lease_s):
-            return f"item {item_id} is running on {item.worker_host} (pid {item.worker_pid})"
+        if item.status == Status.RUNNING.value and not _held_by(item, me):
+            if not owner_gone(item, me, now, lease_s):
+                return f"item {item_id} is running on {item.worker_host} (pid {item.worker_pid})"
+            item.stops += 1  # taken over: its worker stopped while running it
         item.status = Status.RUNNING.value
         item.attempts += 1
         item.worker_host, item.worker_pid = me.host, me.pid

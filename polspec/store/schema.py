@@ -172,7 +172,8 @@ class Item(Base):
 
     ``params`` holds the item's full decoding parameters (batch defaults merged with the
     item's own). ``attempts`` counts the times a worker started it; ``last_error`` is the
-    reason of the latest failure; ``worker_host`` and ``worker_pid`` the process that last
+    reason of the latest failure; ``stops`` the times its worker stopped while running it
+    (killed, or its lease ran out); ``worker_host`` and ``worker_pid`` the process that last
     took it, so a restarted worker on the same host can tell that a running item's worker died;
     ``heartbeat_at`` is the running worker's lease, renewed while it runs (see ``store.items``).
 
@@ -209,6 +210,7 @@ class Item(Base):
     params: Mapped[dict[str, Any]]
     status: Mapped[str] = mapped_column(default=Status.QUEUED.value)
     attempts: Mapped[int] = mapped_column(default=0)
+    stops: Mapped[int] = mapped_column(default=0, server_default="0")
     last_error: Mapped[str | None] = mapped_column(Text)
     worker_host: Mapped[str | None]
     worker_pid: Mapped[int | None]

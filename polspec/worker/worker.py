@@ -17,9 +17,11 @@ Why a subclass (facts in ``design/QUEUE.md``):
   ran out, and leave their items queued with no job. Once either is back the worker runs
   :func:`~polspec.jobs.control.recover`, which gives a job to every item the outage left
   without one;
-- the same recover runs at RQ's maintenance (every ten minutes) when the worker's queues are
+- the same recover runs at RQ's maintenance (every 10-15 minutes) when the worker's queues are
   empty: items whose jobs Redis lost while the worker waited for work (a restart without
-  persistence, a flush) run without anyone typing ``polspec recover``;
+  persistence, a flush) run without anyone typing ``polspec recover``. The pause before a
+  retry grows across outages that follow one another until a job ends without one: a full disk
+  passes the check for the database and fails the next write;
 - only :data:`~polspec.jobs.queue.JOB_FUNCTION` is run: anyone who can write to Redis can name
   any importable function, and polspec refuses before importing it;
 - with ``batch`` other than 1 a job whose item may share forwards starts a continuous batch
@@ -55,7 +57,8 @@ from polspec.worker.batching import BatchRun, job_item
 
 log = logging.getLogger("polspec.worker")
 
-REDIS_WAIT_MAX_S = 30.0  # the longest pause between two tries of Redis, or of the database
+FIRST_PAUSE_S = 0.5  # before the first try of Redis, or of the database, after an outage
+REDIS_WAIT_MAX_S = 30.0  # the longest pause between two tries
 PUBSUB_POLL_S = 0.5
 
 
@@ -86,6 +89,7 @@ class PolspecWorker(SimpleWorker):
         self.active: dict[str, tuple[Job, object]] = {}  # job id -> (job, execution): what the heartbeat renews
         self.on_job_end: Callable[[], None] | None = None  # e.g. to redraw a progress bar
         self.database_failure: DatabaseFailure | None = None  # why a job RQ ran failed, if the database did
+        self.pause = FIRST_PAUSE_S  # before the next try of Redis or the database (see _wait_until)
 
     def get_heartbeat_ttl(self, job: Job, working_time: float = 0.0) -> int:
         # The heartbeat thread renews the entry every interval, so it only has to outlive one
@@ -127,6 +131,7 @@ class PolspecWorker(SimpleWorker):
                 run.run(job)
                 if run.redis_failed and self._wait_for_redis():
                     self._recover()
+            self.pause = FIRST_PAUSE_S
             self.set_state("idle")
         except redis.RedisError as error:
             log.warning("Redis failed after job %s (%s); its item's state is in the database. Waiting for Redis.",
@@ -216,8 +221,8 @@ class PolspecWorker(SimpleWorker):
         ctx = context.current()
         try:
             requeued = recover(ctx.engine, self.connection, me=ctx.me, lease_s=ctx.lease_s)
-        except (redis.RedisError, DatabaseFailure) as error:  # the next outage's end, or maintenance, tries again
-            log.warning("could not recover items left without a job: %s", error)
+        except Exception as error:  # noqa: BLE001 - in RQ's maintenance it would end the worker; the next one tries again
+            log.warning("could not recover items left without a job: %s: %s", type(error).__name__, error)
             return
         if requeued.total or requeued.failed:
             log.warning("items left without a job: %s", requeued.describe())
@@ -233,14 +238,15 @@ class PolspecWorker(SimpleWorker):
         return self._wait_until(write_transaction, DatabaseFailure)
 
     def _wait_until(self, answers: Callable[[], object], failure: type[Exception]) -> bool:
-        """Try ``answers`` with a growing pause until it raises no ``failure`` (True) or a stop is
-        asked for (False)."""
-        wait = 0.5
+        """Pause, then try ``answers``, with a growing pause, until it raises no ``failure``
+        (True) or a stop is asked for (False). The pause goes on growing from where it was
+        until a job ends without an outage (see the module docstring)."""
         while not self._stop_requested:
+            time.sleep(self.pause)
+            self.pause = min(self.pause * 2, REDIS_WAIT_MAX_S)
             try:
                 answers()
                 return True
             except failure:
-                time.sleep(wait)
-                wait = min(wait * 2, REDIS_WAIT_MAX_S)
+                continue
         return False
