@@ -57,6 +57,11 @@ def assert_each_item_done_once(env: dict[str, str], count: int) -> list[Item]:
     return items
 
 
+def requeued_after_a_kill(count: int) -> str:
+    """What a worker says when it starts after one was killed running ``count`` items."""
+    return f"re-enqueued {count} {'item' if count == 1 else 'items'} ({count} worker gone)"
+
+
 @pytest.fixture
 def env(sqlite_env: dict[str, str]) -> dict[str, str]:
     """SQLite: the faults here are the queue's; the database's own are covered on both backends."""
@@ -73,7 +78,7 @@ def test_worker_killed_mid_item_then_restarted_does_every_item_once(env):
     assert statuses(env).get("running") == 1  # the killed worker's item, left behind
 
     output = worker_in_process(env, "--burst", "--batch", "1")
-    assert "re-enqueued 1 item (1 worker gone)" in output
+    assert requeued_after_a_kill(1) in output
     items = assert_each_item_done_once(env, 6)
     assert sorted(item.attempts for item in items) == [1, 1, 1, 1, 1, 2]
 
@@ -191,7 +196,7 @@ def test_batched_worker_killed_mid_batch_then_restarted_does_every_item_once(env
     assert left.get("running", 0) >= 1 and left.get("done", 0) < 8  # the killed batch's items, left behind
 
     output = worker_in_process(env, "--burst", "--batch", "4")
-    assert f"re-enqueued {left['running']} items ({left['running']} worker gone)" in output
+    assert requeued_after_a_kill(left["running"]) in output
     items = assert_each_item_done_once(env, 8)
     assert sorted(item.attempts for item in items) == [1] * (8 - left["running"]) + [2] * left["running"]
 
@@ -252,7 +257,7 @@ def test_second_sigterm_stops_at_once_without_a_traceback_and_the_items_run_agai
     assert "stopping now" in output and "Traceback" not in output, output
     assert statuses(env) == left  # stopped mid-item (200 tokens each), left for the next worker
     output = worker_in_process(env, "--burst", "--batch", "4")  # the rerun need not take them one at a time
-    assert f"re-enqueued {batch} items ({batch} worker gone)" in output
+    assert requeued_after_a_kill(batch) in output
     attempts = sorted(item.attempts for item in assert_each_item_done_once(env, limit))
     assert attempts == [1] * (limit - batch) + [2] * batch
 

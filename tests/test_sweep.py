@@ -194,7 +194,8 @@ def test_temperature_and_temperatures_together_is_one_line(tmp_path):
     ({"target": "qwen2.5-coder-1.5b", "drafts": ["gemma3-270m"], "raw": False}, "test.toml: draft gemma3-270m has no chat template but qwen2.5-coder-1.5b runs in chat mode: add raw = true"),
     ({"repeats": 0}, "'repeats' must be a whole number of at least 1"),
     ({"repeats": True}, "test.toml: 'repeats' must be a whole number of at least 1, got True"),
-    ({"k": [2, 2]}, "'k' lists a value twice"),
+    ({"k": [2, 2]}, "'k' lists 2 twice"),
+    ({"k": "2"}, "test.toml: 'k' must be a non-empty list, got '2'"),
     ({"partial_word": "maybe"}, "test.toml: partial_word must be one of verify, hold, got 'maybe'"),
     ({"datasets": [{"name": "pl-short", "limit": "10"}]},
      "test.toml: the 'limit' of dataset 'pl-short' must be a whole number of at least 1, got '10'"),
@@ -210,7 +211,7 @@ def test_temperature_and_temperatures_together_is_one_line(tmp_path):
     ({"temperatures": ["hot"]}, "test.toml: 'temperatures' must list numbers of at least 0, got 'hot'"),
     ({"temperatures": [0.0, float("nan")]}, "test.toml: 'temperatures' must list numbers of at least 0, got nan"),
     ({"temperature": float("inf")}, "test.toml: temperature must be a finite number, 0 or more, got inf"),
-    ({"temperatures": [0, 0.0]}, "test.toml: 'temperatures' lists a value twice"),
+    ({"temperatures": [0.7, 0, 0.0]}, "test.toml: 'temperatures' lists 0.0 twice"),
     ({"verify": ["tli", "maybe"]}, "test.toml: verify must be one of auto, exact, tli, got 'maybe'"),
     ({"verify": []}, "test.toml: 'verify' must be a non-empty list"),
 ])
@@ -454,6 +455,22 @@ def test_a_sweep_whose_dataset_gained_or_changed_prompts_is_not_resumed(env, tmp
                                     f"now give 5 items another text (first: '{data}/baseline/s0/a/r0'); give the "
                                     "sweep another name\n")
     assert len(stored(env)) == 10
+
+
+def test_a_sweep_name_taken_by_another_configuration_or_a_batch_says_what_differs(env, tmp_path):
+    sweep_file = tmp_path / "small.toml"
+    sweep_file.write_text(SMALL)
+    assert cli(env, "enqueue", "sweep", "--config", str(sweep_file))[0] == 0
+    sweep_file.write_text(SMALL.replace("k = [1, 2]", "k = [1, 3]"))
+    code, output = cli(env, "enqueue", "sweep", "--config", str(sweep_file))
+    assert (code, output) == (1, "polspec: error: sweep 'small' (id 1) exists with another configuration (k: [1, 2] "
+                                 "there, [1, 3] in this file); give the sweep another name\n")
+    sweep_file.write_text(SMALL.replace('name = "small"', 'name = "pierwsza"'))
+    code, output = cli(env, "enqueue", "generate", "--dataset", "pl-short", "--limit", "1", "--name", "pierwsza")
+    assert code == 0, output
+    code, output = cli(env, "enqueue", "sweep", "--config", str(sweep_file))
+    assert (code, output) == (1, "polspec: error: a batch named 'pierwsza' (id 2) exists and is no sweep; give the "
+                                 "sweep another name\n")
 
 
 def test_a_dataset_file_named_by_a_relative_path_is_the_one_beside_the_sweep_file(tmp_path, monkeypatch):

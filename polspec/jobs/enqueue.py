@@ -9,7 +9,9 @@ already queued, and the error says so.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from typing import Any
 
 import redis
 from sqlalchemy import Engine, delete, func, insert, select, update
@@ -184,9 +186,13 @@ def enqueue_sweep(plan: SweepPlan, *, db_url: str | None = None, queue_url: str 
         with session_scope(engine) as session:
             batch = session.scalar(select(Batch).where(Batch.name == plan.name))
             if batch is not None:
-                if batch.kind != "sweep" or batch.spec.get("config") != plan.config:
-                    raise PolspecError(f"a batch named {plan.name!r} (id {batch.id}) exists with another "
-                                       "configuration; give the sweep another name")
+                if batch.kind != "sweep":
+                    raise PolspecError(f"a batch named {plan.name!r} (id {batch.id}) exists and is no sweep; "
+                                       "give the sweep another name")
+                if batch.spec.get("config") != plan.config:
+                    key, there, here = _first_difference(batch.spec.get("config") or {}, plan.config)
+                    raise PolspecError(f"sweep {plan.name!r} (id {batch.id}) exists with another configuration "
+                                       f"({key}: {there} there, {here} in this file); give the sweep another name")
                 _check_same_prompts(session, batch, plan)
                 reopen_items(session, batch, (Status.FAILED, Status.CANCELLED))
                 batch.status = Status.RUNNING.value  # reopened even with nothing to rerun: judged by its items
@@ -205,6 +211,20 @@ def enqueue_sweep(plan: SweepPlan, *, db_url: str | None = None, queue_url: str 
             cells = session.scalar(select(func.count()).select_from(Cell).where(Cell.batch_id == batch_id))
             items = session.scalar(select(func.count()).select_from(Item).where(Item.batch_id == batch_id))
         return SweepEnqueued(batch_id, plan.name, name, cells, items, enqueued, done, batch is not None)
+
+
+def _first_difference(stored: dict[str, Any], wanted: dict[str, Any], within: str = "") -> tuple[str, str, str]:
+    """The first key (dotted, in sorted order) whose value differs between two configurations,
+    with the two values as TOML would show them ("none" where a key is missing)."""
+    for key in sorted(set(stored) | set(wanted)):
+        there, here = stored.get(key), wanted.get(key)
+        if there == here:
+            continue
+        if isinstance(there, dict) and isinstance(here, dict):
+            return _first_difference(there, here, f"{within}{key}.")
+        return f"{within}{key}", *(json.dumps(value, ensure_ascii=False) if value is not None else "none"
+                                   for value in (there, here))
+    raise ValueError("the configurations are equal")
 
 
 def _check_same_prompts(session: Session, batch: Batch, plan: SweepPlan) -> None:

@@ -224,10 +224,14 @@ def _list(config: dict[str, Any], key: str, source: str) -> list:
         raise PolspecError(f"{source}: '{key}' is missing")
     values = config[key]
     if not isinstance(values, list) or not values:
-        raise PolspecError(f"{source}: '{key}' must be a non-empty list")
-    if len(set(map(str, values))) != len(values):
-        raise PolspecError(f"{source}: '{key}' lists a value twice")
+        raise PolspecError(f"{source}: '{key}' must be a non-empty list, got {values!r}")
+    seen = set()
+    for value in values:
+        if str(value) in seen:
+            raise PolspecError(f"{source}: '{key}' lists {value!r} twice")
+        seen.add(str(value))
     return values
+
 
 
 def _check_aliases(target: str, drafts: list, source: str) -> None:
@@ -253,7 +257,8 @@ def _temperatures(config: dict[str, Any], source: str) -> list[float]:
         if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
             raise PolspecError(f"{source}: 'temperatures' must list numbers of at least 0, got {value!r}")
     if len(set(map(float, values))) != len(values):  # 0 and 0.0 are one temperature
-        raise PolspecError(f"{source}: 'temperatures' lists a value twice")
+        twice = next(value for index, value in enumerate(values) if float(value) in map(float, values[:index]))
+        raise PolspecError(f"{source}: 'temperatures' lists {twice!r} twice")
     return [float(value) for value in values]
 
 
