@@ -79,6 +79,7 @@ def test_a_file_that_is_not_gguf(isolated_home, tmp_path):
     with pytest.raises(PolspecError, match=r"notes\.gguf: not a GGUF file"):
         import_gguf_file(text)
     assert leftovers(models_dir()) == []
+    assert not (models_dir() / "sha256-index.json").exists()  # refused before its bytes were hashed
 
 
 def test_unsupported_architecture_is_named(isolated_home, tmp_path):

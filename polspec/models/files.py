@@ -26,6 +26,18 @@ _HASH_CHUNK = 1 << 22
 IMPORT_FORMAT = 1
 
 
+def require_gguf_magic(path: Path) -> None:
+    """A one-line error unless ``path`` starts as a GGUF file does; read before its bytes are
+    hashed, so that a large file that is no GGUF is refused at once."""
+    try:
+        with open(path, "rb") as handle:
+            magic = handle.read(4)
+    except OSError as error:
+        raise PolspecError(f"{path}: cannot read: {error.strerror}") from None
+    if magic != b"GGUF":
+        raise PolspecError(f"{path}: not a GGUF file (starts with {magic!r}, expected b'GGUF')")
+
+
 def file_sha256(path: Path) -> str:
     """sha256 of a file, remembered per (path, size, mtime) so large files are hashed once."""
     index_file = models_dir() / "sha256-index.json"
@@ -57,6 +69,7 @@ def import_gguf_file(path: Path, expected_sha256: str | None = None, progress: P
     """Import a GGUF file into the cache (once per distinct file content) and return the directory."""
     if not path.is_file():
         raise PolspecError(f"{path}: {'a directory, not a' if path.is_dir() else 'no such'} GGUF file")
+    require_gguf_magic(path)
     sha256 = file_sha256(path)
     if expected_sha256 and sha256 != expected_sha256.lower():
         raise PolspecError(f"{path}: sha256 mismatch: expected {expected_sha256}, got {sha256}")

@@ -33,7 +33,7 @@ from mlx.utils import tree_flatten
 
 from polspec.errors import PolspecError
 from polspec.models.fetch import ProgressFn, move_into_cache, no_progress
-from polspec.models.files import IMPORT_FORMAT
+from polspec.models.files import IMPORT_FORMAT, require_gguf_magic
 
 SHARD_BYTES = 2 << 30
 
@@ -71,13 +71,7 @@ _BLOCK = re.compile(r"^blk\.(\d+)\.")
 
 def open_gguf(path: Path) -> gguf.GGUFReader:
     """Open and validate a GGUF file; a bad file is a one-line error naming it."""
-    try:
-        with open(path, "rb") as handle:
-            magic = handle.read(4)
-    except OSError as error:
-        raise PolspecError(f"{path}: cannot read: {error.strerror}") from None
-    if magic != b"GGUF":
-        raise PolspecError(f"{path}: not a GGUF file (starts with {magic!r}, expected b'GGUF')")
+    require_gguf_magic(path)
     try:
         reader = gguf.GGUFReader(path)
     except Exception as error:  # the reader raises bare ValueError/IndexError on short files
