@@ -96,7 +96,7 @@ def recover(engine: Engine, connection: redis.Redis, batch_id: int | None = None
     for item in running:
         if not owner_gone(item, me, now, lease_s):
             continue
-        if item.stops + 1 == 1 + RETRIES:  # it stopped on every try, this one included
+        if item.stops + 1 >= 1 + RETRIES:  # it stopped on every try, this one included
             report.failed += _fail_abandoned(engine, item)
         elif _requeue_abandoned(engine, item):
             report.reasons["worker gone"] += 1
