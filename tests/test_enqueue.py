@@ -184,8 +184,8 @@ def test_options_that_change_nothing_are_queued_with_a_note(env, tmp_path):
                              "note: --seed, --top-p have no effect at --temperature 0 (greedy decoding)\n")
     sampled = CliRunner().invoke(main, ["enqueue", "generate", "--input", str(write_jsonl(tmp_path / "p.jsonl", GOOD)),
                                         "--target", "qwen2.5-coder-1.5b", "--draft", "smollm2-135m",
-                                        "--k", "3", "--seed", "7", "--json"], env=env)  # one line samples: the seed is used
-    assert sampled.exit_code == 0 and sampled.stderr == ""
+                                        "--k", "3", "--seed", "7", "--json"], env=env)
+    assert sampled.exit_code == 0 and sampled.stderr == ""  # one line samples: the seed is used
 
 
 def test_stdin_and_dataset_inputs(env):

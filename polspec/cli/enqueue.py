@@ -47,8 +47,8 @@ def enqueue() -> None:
 @decoding_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object: batch, name, queue, added, existing.")
 @click.pass_context
-def generate(ctx: click.Context, input_path: str | None, dataset: str | None, limit: int | None, name: str | None, target: str,
-             draft: str, raw: bool, as_json: bool, **options) -> None:
+def generate(ctx: click.Context, input_path: str | None, dataset: str | None, limit: int | None, name: str | None,
+             target: str, draft: str, raw: bool, as_json: bool, **options) -> None:
     """Queue one generation per prompt, decoded with the options given, on the target's queue
     (polspec-TARGET, which `polspec worker` serves; `--queue TARGET` for that one alone). Give
     --input or --dataset.

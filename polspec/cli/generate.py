@@ -46,7 +46,8 @@ class _Printer:
 @click.option("--show-accepted", is_flag=True, help="Mark text the target accepted from the draft.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object: text, token ids, spans, metrics.")
 @click.pass_context
-def generate(ctx: click.Context, prompt: str, target: str, draft: str, raw: bool, show_accepted: bool, as_json: bool, **options) -> None:
+def generate(ctx: click.Context, prompt: str, target: str, draft: str, raw: bool, show_accepted: bool, as_json: bool,
+             **options) -> None:
     """Generate a continuation of PROMPT, speculatively when a --draft is given.
 
     The output is always the target's: with a draft, every token is still chosen by the

@@ -144,7 +144,6 @@ def note_if_the_draft_is_the_target(target: str, draft: str) -> None:
                    "target's steps, so --draft none is faster", err=True)
 
 
-
 # Options that change nothing without a draft, and at temperature 0 (greedy decoding).
 DRAFT_OPTIONS = ("k", "strategy", "prefix", "partial_word", "draft_vocab", "verify")
 SAMPLING_OPTIONS = ("top_p", "top_k", "seed", "verify")

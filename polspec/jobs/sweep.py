@@ -45,6 +45,7 @@ import hashlib
 import json
 import math
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import product
 from pathlib import Path
@@ -225,13 +226,17 @@ def _list(config: dict[str, Any], key: str, source: str) -> list:
     values = config[key]
     if not isinstance(values, list) or not values:
         raise PolspecError(f"{source}: '{key}' must be a non-empty list, got {values!r}")
-    seen = set()
-    for value in values:
-        if str(value) in seen:
-            raise PolspecError(f"{source}: '{key}' lists {value!r} twice")
-        seen.add(str(value))
+    _refuse_repeats(values, str, key, source)
     return values
 
+
+def _refuse_repeats(values: list, same: Callable[[Any], Any], key: str, source: str) -> None:
+    """Name the first value of ``key`` that repeats an earlier one (equal under ``same``)."""
+    seen = set()
+    for value in values:
+        if same(value) in seen:
+            raise PolspecError(f"{source}: '{key}' lists {value!r} twice")
+        seen.add(same(value))
 
 
 def _check_aliases(target: str, drafts: list, source: str) -> None:
@@ -256,9 +261,7 @@ def _temperatures(config: dict[str, Any], source: str) -> list[float]:
     for value in values:
         if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
             raise PolspecError(f"{source}: 'temperatures' must list numbers of at least 0, got {value!r}")
-    if len(set(map(float, values))) != len(values):  # 0 and 0.0 are one temperature
-        twice = next(value for index, value in enumerate(values) if float(value) in map(float, values[:index]))
-        raise PolspecError(f"{source}: 'temperatures' lists {twice!r} twice")
+    _refuse_repeats(values, float, "temperatures", source)  # 0 and 0.0 are one temperature
     return [float(value) for value in values]
 
 

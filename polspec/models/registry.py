@@ -167,7 +167,8 @@ def load_registry(user_file: Path | None = None) -> Registry:
 def read_registry_text(path: Path) -> str:
     """The text of the user's registry file, or a one-line error saying why it cannot be read."""
     try:
-        return path.read_bytes().removeprefix(codecs.BOM_UTF8).decode("utf-8")  # an editor's byte order mark is no error
+        # An editor's byte order mark is no error.
+        return path.read_bytes().removeprefix(codecs.BOM_UTF8).decode("utf-8")
     except UnicodeDecodeError as error:
         raise not_utf8(str(path), error) from None
     except OSError as error:

@@ -129,20 +129,18 @@ class PolspecWorker(SimpleWorker):
             else:
                 run = BatchRun(self, queue, pairing, size)
                 run.run(job)
-                if run.redis_failed and self._wait_for_redis():
-                    self._recover()
+                if run.redis_failed:
+                    self._wait_for_redis()
             self.pause = FIRST_PAUSE_S
             self.set_state("idle")
         except redis.RedisError as error:
             log.warning("Redis failed after job %s (%s); its item's state is in the database. Waiting for Redis.",
                         job.id, error)
-            if self._wait_for_redis():
-                self._recover()
+            self._wait_for_redis()
         except DatabaseFailure as error:
             log.warning("the database failed (%s): the jobs in flight go back to RQ for a retry. Waiting for the "
                         "database.", error)
-            if self._wait_for_database():
-                self._recover()
+            self._wait_for_database()
         finally:
             self.database_failure = None
             stop.set()
@@ -221,32 +219,33 @@ class PolspecWorker(SimpleWorker):
         ctx = context.current()
         try:
             requeued = recover(ctx.engine, self.connection, me=ctx.me, lease_s=ctx.lease_s)
-        except Exception as error:  # noqa: BLE001 - in RQ's maintenance it would end the worker; the next one tries again
+        # Any error: in RQ's maintenance it would end the worker. The next outage's end, or maintenance, tries again.
+        except Exception as error:  # noqa: BLE001
             log.warning("could not recover items left without a job: %s: %s", type(error).__name__, error)
             return
         if requeued.total or requeued.failed:
             log.warning("items left without a job: %s", requeued.describe())
 
-    def _wait_for_redis(self) -> bool:
-        return self._wait_until(self.connection.ping, redis.RedisError)
+    def _wait_for_redis(self) -> None:
+        self._wait_until(self.connection.ping, redis.RedisError)
 
-    def _wait_for_database(self) -> bool:
+    def _wait_for_database(self) -> None:
         def write_transaction() -> None:  # what a claim needs: on SQLite it takes the write lock
             with session_scope(context.current().engine) as session:
                 session.execute(text("SELECT 1"))
 
-        return self._wait_until(write_transaction, DatabaseFailure)
+        self._wait_until(write_transaction, DatabaseFailure)
 
-    def _wait_until(self, answers: Callable[[], object], failure: type[Exception]) -> bool:
-        """Pause, then try ``answers``, with a growing pause, until it raises no ``failure``
-        (True) or a stop is asked for (False). The pause goes on growing from where it was
-        until a job ends without an outage (see the module docstring)."""
+    def _wait_until(self, answers: Callable[[], object], failure: type[Exception]) -> None:
+        """Pause, then try ``answers``, with a growing pause, until it raises no ``failure`` (then
+        recover what the outage left without a job) or a stop is asked for. The pause goes on
+        growing from where it was until a job ends without an outage (see the module docstring)."""
         while not self._stop_requested:
             time.sleep(self.pause)
             self.pause = min(self.pause * 2, REDIS_WAIT_MAX_S)
             try:
                 answers()
-                return True
             except failure:
                 continue
-        return False
+            self._recover()
+            return
