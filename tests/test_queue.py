@@ -311,6 +311,41 @@ def test_an_idle_worker_gives_a_job_to_items_redis_lost_at_its_maintenance(env):
         engine.dispose()
 
 
+# A worker that RQ has given a job, killed before it claims the job's item.
+STARTED_THEN_KILLED = """
+import os, sys, redis
+from polspec.worker.worker import PolspecWorker
+worker = PolspecWorker([sys.argv[2]], connection=redis.Redis.from_url(sys.argv[1]))
+worker.register_birth()
+job, queue = worker.dequeue_job_and_maintain_ttl(timeout=1)
+worker.prepare_execution(job)
+worker.prepare_job_execution(job)
+os._exit(0)
+"""
+
+
+def test_recover_gives_a_job_whose_worker_was_killed_before_its_claim_to_another(env):
+    """RQ retries such a job once its registry entry expires and a worker's maintenance comes
+    by: a burst run ended without the item. A job started by a live worker is left to it."""
+    cli(env, "enqueue", "generate", "--dataset", "pl-short", "--limit", "2", "--target", "smollm2-135m")
+    connection = redis.Redis.from_url(env["POLSPEC_REDIS_URL"])
+    queue = Queue(queue_name("smollm2-135m"), connection=connection, serializer=JSONSerializer)
+    killed, taken = queue.get_job_ids()
+    subprocess.run([sys.executable, "-c", STARTED_THEN_KILLED, env["POLSPEC_REDIS_URL"], queue.name], check=True)
+    live = PolspecWorker([queue.name], connection=connection)
+    live.register_birth()
+    job = live.dequeue_job_and_maintain_ttl(timeout=1)[0]
+    live.prepare_execution(job)
+    live.prepare_job_execution(job)
+    assert {Job.fetch(id_, connection=connection).get_status() for id_ in (killed, taken)} == {JobStatus.STARTED}
+    code, output = cli(env, "recover")
+    assert (code, output) == (0, "re-enqueued 1 item (1 job's worker gone); run polspec worker to finish them\n")
+    assert queue.get_job_ids() == [killed]
+    connection.delete(live.key)  # RQ's record of a worker on another host expired: it stopped minutes ago
+    assert cli(env, "recover")[1].startswith("re-enqueued 1 item (1 job's worker gone)")
+    assert queue.get_job_ids() == [killed, taken]
+
+
 @pytest.mark.slow
 def test_flushed_redis_is_rebuilt_from_the_database_by_recover(env):
     code, output = cli(env, "enqueue", "generate", "--dataset", "pl-short", "--limit", "5", "--target",

@@ -10,7 +10,8 @@ re-enqueues those whose job cannot finish on its own:
   that reason, as an item whose error repeats does, rather than take down worker after worker;
 - a *queued* item gets a fresh job when its job is missing, already ended, not in its queue,
   unreadable, or names another function than :data:`~polspec.jobs.queue.JOB_FUNCTION` (queued
-  by an older polspec, before the job function moved).
+  by an older polspec, before the job function moved), or was started by a worker that stopped
+  before it claimed the item.
 
 Items of cancelled batches are left alone. Re-enqueueing replaces the item's job (the job id is
 deterministic), so running recover twice never delivers an item twice.
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 
 import redis
 from rq.job import JobStatus
+from rq.worker import BaseWorker
 from sqlalchemy import Engine, select, update
 
 from polspec.errors import PolspecError
@@ -30,7 +32,7 @@ from polspec.jobs.queue import (JOB_FUNCTION, RETRIES, delete_jobs, enqueue_item
                                make_queue, queue_name)
 from polspec.store.engine import session_scope
 from polspec.store.items import (DEFAULT_LEASE_S, Worker, database_id, database_now, max_tokens, owner_gone,
-                                 reopen_items, settle_batch)
+                                 pid_alive, reopen_items, settle_batch)
 from polspec.store.queries import find_batch
 from polspec.store.schema import Batch, Item, Status
 
@@ -115,7 +117,9 @@ def recover(engine: Engine, connection: redis.Redis, batch_id: int | None = None
                 continue
             reason = "job not in its queue"
         elif job.status == JobStatus.STARTED:
-            continue  # claimed by a worker any moment now, or abandoned: RQ retries or fails it
+            if not _starter_gone(connection, job.worker_name, me):
+                continue  # claimed by its worker any moment now
+            reason = "job's worker gone"
         else:
             reason = f"job {job.status.value}" if job.status else "job without a status"
         report.reasons[reason] += 1
@@ -123,6 +127,21 @@ def recover(engine: Engine, connection: redis.Redis, batch_id: int | None = None
     for name, items in to_enqueue.items():
         enqueue_items(connection, name, db_id, sorted(items))  # by id, the enqueue order: a sweep's is drift-fair
     return report
+
+
+def _starter_gone(connection: redis.Redis, worker_name: str | None, me: Worker) -> bool:
+    """Whether the worker that started a job whose item it has not claimed yet has stopped:
+    killed between RQ's start and the claim (milliseconds; longer while a batch takes its jobs).
+    RQ retries such a job only once its registry entry expired and a worker's maintenance came
+    by, so a burst run ended without the item. Stopped: RQ's record of the worker is gone (it
+    expires minutes after the worker's last heartbeat), or it names this host and a dead pid
+    (a polspec worker records the host as :func:`~polspec.store.items.this_host` names it)."""
+    if not worker_name:
+        return False
+    host, pid = connection.hmget(BaseWorker.redis_worker_namespace_prefix + worker_name, "hostname", "pid")
+    if pid is None:
+        return True
+    return host is not None and host.decode() == me.host and int(pid) != me.pid and not pid_alive(int(pid))
 
 
 def _requeue_abandoned(engine: Engine, item: Item) -> bool:

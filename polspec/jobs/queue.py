@@ -130,15 +130,16 @@ def fetch_jobs(connection: redis.Redis, ids: Iterable[str]) -> dict[str, Job | N
 
 @dataclass(frozen=True)
 class JobState:
-    """What recovery asks of a job: its RQ status (None if it has none) and the function it
-    runs (None if its data cannot be read)."""
+    """What recovery asks of a job: its RQ status (None if it has none), the function it
+    runs (None if its data cannot be read) and the worker that started it (None if none has)."""
 
     status: JobStatus | None
     func_name: str | None
+    worker_name: str | None = None
 
 
 def job_states(connection: redis.Redis, ids: Sequence[str]) -> dict[str, JobState | None]:
-    """The state of each job, None where there is no job, read as two fields of its hash.
+    """The state of each job, None where there is no job, read as three fields of its hash.
 
     Not ``Job.fetch_many``: that parses every field (dates, result, metadata) into a Job, which
     for the 345,000 jobs of a large sweep was most of a resume's time and gigabytes of memory.
@@ -150,10 +151,11 @@ def job_states(connection: redis.Redis, ids: Sequence[str]) -> dict[str, JobStat
         chunk = ids[start:start + _READ_CHUNK]
         with connection.pipeline(transaction=False) as pipeline:
             for id_ in chunk:
-                pipeline.hmget(Job.key_for(id_), "status", "data")
+                pipeline.hmget(Job.key_for(id_), "status", "data", "worker_name")
             replies = pipeline.execute()
-        for id_, (status, data) in zip(chunk, replies, strict=True):
-            states[id_] = None if data is None else JobState(_job_status(status), _func_name(data))
+        for id_, (status, data, worker) in zip(chunk, replies, strict=True):
+            states[id_] = None if data is None else JobState(_job_status(status), _func_name(data),
+                                                             worker.decode() if worker else None)
     return states
 
 

@@ -51,7 +51,7 @@ from polspec.errors import DatabaseFailure, PolspecError
 from polspec.jobs.control import recover
 from polspec.jobs.queue import JOB_FUNCTION
 from polspec.store.engine import session_scope
-from polspec.store.items import item_pairings, renew_leases
+from polspec.store.items import item_pairings, renew_leases, this_host
 from polspec.worker import HEARTBEAT_GRACE_S, HEARTBEAT_INTERVAL_S, context
 from polspec.worker.batching import BatchRun, job_item
 
@@ -90,6 +90,9 @@ class PolspecWorker(SimpleWorker):
         self.on_job_end: Callable[[], None] | None = None  # e.g. to redraw a progress bar
         self.database_failure: DatabaseFailure | None = None  # why a job RQ ran failed, if the database did
         self.pause = FIRST_PAUSE_S  # before the next try of Redis or the database (see _wait_until)
+        # RQ records the bare host name; recover compares it with an item's host, which names the
+        # pid namespace too, to tell a job whose worker was killed before its claim.
+        self.hostname = this_host()
 
     def get_heartbeat_ttl(self, job: Job, working_time: float = 0.0) -> int:
         # The heartbeat thread renews the entry every interval, so it only has to outlive one
