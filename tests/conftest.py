@@ -104,6 +104,17 @@ def gemma3() -> LoadedModel:
 
 
 @pytest.fixture
+def gemma3_window(gemma3: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> int:
+    """Gemma-3's sliding window shrunk from 512 to 8 tokens for this test: the rotating cache
+    of target-only decoding and the attention mask over the decoders' plain caches alike. Past
+    the window at a few dozen tokens instead of hundreds of a 262k-vocabulary model."""
+    window = 8
+    monkeypatch.setattr(gemma3.model.args, "sliding_window", window)  # the rotating cache's size
+    monkeypatch.setattr(gemma3.model.model, "window_size", window)  # the attention mask's
+    return window
+
+
+@pytest.fixture
 def isolated_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A fresh, empty POLSPEC_HOME for this test only."""
     home = tmp_path / "polspec-home"

@@ -49,9 +49,11 @@ def single():
     return ids
 
 
-def decode_all(target, draft, batch: int, **params) -> tuple[dict[int, list[int]], dict[int, object]]:
-    requests = [(prompt, DecodingParams(max_tokens=max_tokens(i), **params)) for i, prompt in enumerate(PROMPTS)]
-    tokens: dict[int, list[int]] = {i: [] for i in range(len(PROMPTS))}
+def decode_all(target, draft, batch: int, prompts: int = len(PROMPTS),
+               **params) -> tuple[dict[int, list[int]], dict[int, object]]:
+    """The first ``prompts`` of PROMPTS decoded ``batch`` at a time: tokens and metrics by index."""
+    requests = [(prompt, DecodingParams(max_tokens=max_tokens(i), **params)) for i, prompt in enumerate(PROMPTS[:prompts])]
+    tokens: dict[int, list[int]] = {i: [] for i in range(prompts)}
     metrics = {}
     for event in stream_batch(target, draft, requests, max_batch=batch, chat=False):
         if event.commit is not None:
@@ -89,6 +91,18 @@ def test_batched_speculative_is_lossless_for_every_strategy(gemma3, smollm2, sin
 def test_batched_speculative_with_a_sliding_window_draft_and_every_policy(smollm2, gemma3, single, k):
     tokens, _ = decode_all(smollm2, gemma3, 3, k=k)
     assert_lossless(smollm2, single, tokens)
+
+
+def test_a_sliding_window_target_in_a_batch_is_lossless_past_its_window(gemma3, smollm2, gemma3_window):
+    """Rows of different lengths past Gemma-3's window (shrunk to 8): its mask over the batch's
+    ragged caches attends to what each row's own rotating cache would hold. Four rows, three
+    at a time: one joins late."""
+    expected = [generate(gemma3, None, prompt, DecodingParams(max_tokens=max_tokens(index)), chat=False).token_ids
+                for index, prompt in enumerate(PROMPTS[:4])]
+    for draft in (None, smollm2):
+        tokens, _ = decode_all(gemma3, draft, 3, prompts=4, k=2)
+        for index, ids in tokens.items():
+            assert_same_or_float_tie(gemma3, PROMPTS[index], expected[index], ids)
 
 
 def test_a_model_drafting_for_itself_in_a_batch_has_every_candidate_accepted(gemma3, single):

@@ -194,7 +194,7 @@ def test_models_fetch_a_tokenizer_saying_what_it_does_off_a_terminal(isolated_ho
 
 
 @pytest.mark.slow
-def test_generate_streams_greedy_polish_and_reports_json(gemma3):
+def test_generate_streams_greedy_polish_and_reports_json(gemma3, resident_models):
     code, output = invoke("generate", "Kraków jest", "--target", "gemma3-270m", "--max-tokens", "12", "--json")
     assert code == 0, output
     result = json.loads(output)

@@ -278,7 +278,7 @@ def test_stored_probe_is_measured_on_first_use_then_read_back(gemma3, smollm2, h
 
 
 @pytest.mark.slow
-def test_auto_falls_back_to_plain_decoding_when_no_k_can_pay(gemma3, smollm2, home_with_models):
+def test_auto_falls_back_to_plain_decoding_when_no_k_can_pay(gemma3, smollm2, home_with_models, resident_models):
     save_probe(Probe("gemma3-270m", "smollm2-135m", c=2.0, rho=(1.0,) * 9, tau=0.0, draft_vocab=DEFAULT_SIZE))
     params = DecodingParams(max_tokens=12, k="auto")
     result = generate(gemma3, smollm2, "Kraków jest", params)

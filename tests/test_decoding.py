@@ -17,6 +17,7 @@ from polspec.decoding.acceptance import AcceptanceEstimate
 from polspec.decoding.batch import BatchDecoder
 from polspec.decoding.costmodel import Probe
 from polspec.decoding.draft_vocab import draft_head
+from polspec.decoding import kv
 from polspec.decoding.kv import new_cache
 from polspec.decoding.metrics import DecodeMetrics
 from polspec.decoding.policy import EXTEND_ABOVE, DraftLength
@@ -39,7 +40,8 @@ PROMPTS = [
 MAX_TOKENS = 8
 # POLSPEC_TEST_FULL_GRID=1 runs all 20 prompts for every pair, strategy and k (about 30
 # minutes here). By default the grid is sampled to keep the suite within minutes on a 2-core
-# CPU: the default configuration (gemma3 target, smollm2 draft, aligned, k=2) gets 10 prompts;
+# CPU: the default configuration (gemma3 target, smollm2 draft, aligned, k=2) gets 5 prompts
+# (test_batch runs it over 8 more, one at a time and batched);
 # every strategy runs at k=2 on both pairs; at each other k, aligned and aligned/hold run with
 # one of the other three in turn, so each of those meets two other k across the pairs.
 FULL_GRID = os.environ.get("POLSPEC_TEST_FULL_GRID") == "1"
@@ -60,7 +62,7 @@ def prompts_for(pair: str, k: int, strategy: str) -> list[str]:
     if FULL_GRID:
         return PROMPTS
     if pair == "gemma3>smollm2" and k == 2 and strategy == "aligned":
-        return PROMPTS[::2]
+        return PROMPTS[::4]
     return PROMPTS[::10] if pair == "gemma3>smollm2" or k == 2 else PROMPTS[7:8]
 
 
@@ -96,7 +98,7 @@ def test_greedy_speculative_equals_greedy_baseline(request, baseline, pair, k, s
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", ["heuristic", "confidence"])
 def test_adaptive_draft_lengths_are_lossless(gemma3, smollm2, baseline, policy):
-    for prompt in PROMPTS[:5]:
+    for prompt in PROMPTS[:3]:
         result = generate(gemma3, smollm2, prompt, DecodingParams(max_tokens=MAX_TOKENS, k=policy), chat=False)
         assert_same_or_float_tie(gemma3, prompt, baseline(gemma3, prompt), result.token_ids)
 
@@ -250,14 +252,18 @@ def test_prompt_longer_than_the_context_gives_both_lengths(smollm2):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("pair", ["gemma3>smollm2", "smollm2>gemma3"])
-def test_a_sliding_window_model_serves_past_its_window(request, pair):
+def test_a_sliding_window_model_serves_past_its_window(request, pair, gemma3_window, monkeypatch):
     """Gemma-3's sliding layers see 512 tokens: a longer prompt used to be refused for it as a
     target and as a draft. Its window now comes from the attention mask over a plain cache, so
-    its output must equal its own target-only output (rotating cache) past the window."""
+    its output must equal its own target-only output (rotating cache) past the window.
+
+    At a window of 8 and prefill steps of 20 (not a multiple of it) the code is that of 512
+    and 512, past the window many times and across prefill steps, at a sixth of the prompt."""
+    monkeypatch.setattr(kv, "PREFILL_STEP", 20)
     target_name, draft_name = pair.split(">")
     target, draft = request.getfixturevalue(target_name), request.getfixturevalue(draft_name)
-    prompt = " ".join(PROMPTS * 6) + " Podsumowując, Kraków jest"
-    assert len(encode_prompt(target, prompt, chat=False)) > 512 and len(encode_prompt(draft, prompt, chat=False)) > 512
+    prompt = " ".join(PROMPTS) + " Podsumowując, Kraków jest"
+    assert min(len(encode_prompt(model, prompt, chat=False)) for model in (target, draft)) > 4 * kv.PREFILL_STEP
     expected = generate(target, None, prompt, DecodingParams(max_tokens=MAX_TOKENS), chat=False).token_ids
     result = generate(target, draft, prompt, DecodingParams(max_tokens=MAX_TOKENS, k=3), chat=False)
     assert_same_or_float_tie(target, prompt, expected, result.token_ids)
