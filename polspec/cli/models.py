@@ -162,7 +162,20 @@ def show(alias: str, as_json: bool) -> None:
         return
     width = max(len(key) for key in row)
     for key, value in row.items():
-        click.echo(f"{key:<{width}}  {value}")
+        click.echo(f"{key:<{width}}  {_in_words(value)}")
+
+
+def _in_words(value: object) -> str:
+    """A field of ``models show`` as a person reads it (``--json`` keeps the values themselves)."""
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if value is None or value == "":
+        return "-"
+    if isinstance(value, list):
+        return ", ".join(map(str, value)) or "-"
+    if isinstance(value, dict):
+        return ", ".join(f"{key} {_in_words(item)}" for key, item in value.items())
+    return str(value)
 
 
 @models.command()
