@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, fields
 
@@ -66,12 +67,13 @@ class DecodingParams:
         # here rather than truncated or failing on the worker.
         for name in ("max_tokens", "prefix", "top_k", "k_max", *(("seed",) if self.seed is not None else ())):
             if not is_whole_number(getattr(self, name)):
-                raise PolspecError(f"{name} must be a whole number, got {getattr(self, name)!r}")
+                raise PolspecError(f"{name} must be a whole number, got {as_written(getattr(self, name))}")
         for name in ("temperature", "top_p", "confidence"):
             if not is_whole_number(getattr(self, name)) and not isinstance(getattr(self, name), float):
-                raise PolspecError(f"{name} must be a number, got {getattr(self, name)!r}")
+                raise PolspecError(f"{name} must be a number, got {as_written(getattr(self, name))}")
         if not isinstance(self.k, str) and not is_whole_number(self.k):
-            raise PolspecError(f"k must be a number from 1 to {MAX_K} or one of {', '.join(K_POLICIES)}, got {self.k!r}")
+            raise PolspecError(f"k must be a number from 1 to {MAX_K} or one of {', '.join(K_POLICIES)}, "
+                               f"got {as_written(self.k)}")
         if isinstance(self.draft_vocab, str):
             if self.draft_vocab not in DRAFT_VOCAB:
                 raise PolspecError(f"draft_vocab must be a number of tokens or one of {', '.join(DRAFT_VOCAB)}, "
@@ -132,6 +134,11 @@ class DecodingParams:
         # Not dataclasses.asdict: every field is a scalar, and its deep copy took most of the
         # time of expanding a sweep of 345,000 items.
         return {field.name: getattr(self, field.name) for field in fields(self)}
+
+
+def as_written(value: object) -> str:
+    """A value in an error as a JSONL line or a TOML file writes it: ``true``, not ``True``."""
+    return json.dumps(value) if value is None or isinstance(value, bool) else repr(value)
 
 
 def is_whole_number(value: object) -> bool:

@@ -158,12 +158,29 @@ def _json_lines(lines: Iterable[bytes], source: str) -> Iterator[tuple[str, str,
         if not line.strip():
             continue
         try:
-            value = json.loads(line)
+            value = json.loads(line, object_pairs_hook=_refusing_repeated_keys)
+        except RepeatedKey as error:
+            raise PolspecError(f"{where}: {error}") from None
         except json.JSONDecodeError as error:
             raise PolspecError(f"{where}: malformed JSON: {error.msg} at column {error.colno}") from None
         except (ValueError, RecursionError) as error:
             raise past_parser_limits(where, error) from None
         yield where, f"line {number}", value
+
+
+class RepeatedKey(Exception):
+    """A JSON object that gives one key twice."""
+
+
+def _refusing_repeated_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    # JSON keeps the last of a repeated key without a word: a line giving 'max_tokens' or
+    # 'prompt' twice says two things, and the user should learn which one is not used.
+    data: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in data:
+            raise RepeatedKey(f"key {key!r} is given twice")
+        data[key] = value
+    return data
 
 
 def parse_items(objects: Iterable[tuple[str, str, Any]], source: str, base: DecodingParams) -> list[ItemInput]:
