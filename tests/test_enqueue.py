@@ -186,6 +186,14 @@ def test_options_that_change_nothing_are_queued_with_a_note(env, tmp_path):
                                         "--target", "qwen2.5-coder-1.5b", "--draft", "smollm2-135m",
                                         "--k", "3", "--seed", "7", "--json"], env=env)
     assert sampled.exit_code == 0 and sampled.stderr == ""  # one line samples: the seed is used
+    # --partial-word is aligned's alone, --prefix aligned's and context's; an item's own strategy counts.
+    rows = [{"id": "a", "prompt": "Kraków jest"}, {"id": "b", "prompt": "Wisła to", "strategy": "context"}]
+    for given, note in ((rows[:1], "note: --prefix, --partial-word have no effect with --strategy naive\n"),
+                        (rows, "note: --partial-word has no effect with --strategy context, naive\n")):
+        queued = CliRunner().invoke(main, ["enqueue", "generate", "--input", str(write_jsonl(tmp_path / "s.jsonl", given)),
+                                           "--target", "qwen2.5-coder-1.5b", "--draft", "smollm2-135m", "--strategy",
+                                           "naive", "--prefix", "3", "--partial-word", "hold", "--json"], env=env)
+        assert queued.exit_code == 0 and queued.stderr == note
 
 
 def test_stdin_and_dataset_inputs(env):

@@ -80,7 +80,8 @@ def generate(ctx: click.Context, input_path: str | None, dataset: str | None, li
     done = enqueue_generate(spec, items, name)
     note_if_the_draft_is_the_target(target, draft)
     note_options_without_effect(ctx, draft, sampling=params.temperature > 0
-                                or any(item.overrides.get("temperature") for item in items))
+                                or any(item.overrides.get("temperature") for item in items),
+                                strategies={item.overrides.get("strategy", params.strategy) for item in items})
     if as_json:
         click.echo(json.dumps({"batch": done.batch_id, "name": done.name, "queue": done.queue,
                                "added": done.added, "existing": done.existing}))

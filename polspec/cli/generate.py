@@ -82,7 +82,7 @@ def generate(ctx: click.Context, prompt: str, target: str, draft: str, raw: bool
     if draft != "none":
         registry.model(draft)
     note_if_the_draft_is_the_target(target, draft)
-    note_options_without_effect(ctx, draft, sampling=params.temperature > 0)
+    note_options_without_effect(ctx, draft, sampling=params.temperature > 0, strategies={params.strategy})
     target_model = load_model(target)
     draft_model = None if draft == "none" else load_model(draft)
     if draft_model is not None and params.k == "auto" and load_probe(target, draft) is None:

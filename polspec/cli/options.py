@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import click
@@ -147,16 +147,23 @@ def note_if_the_draft_is_the_target(target: str, draft: str) -> None:
 # Options that change nothing without a draft, and at temperature 0 (greedy decoding).
 DRAFT_OPTIONS = ("k", "strategy", "prefix", "partial_word", "draft_vocab", "verify")
 SAMPLING_OPTIONS = ("top_p", "top_k", "seed", "verify")
+# Options of translation strategies, and the strategies that read them (polspec.decoding.translate).
+STRATEGY_OPTIONS = {"prefix": {"aligned", "context"}, "partial_word": {"aligned"}}
 
 
-def note_options_without_effect(ctx: click.Context, draft: str, sampling: bool) -> None:
+def note_options_without_effect(ctx: click.Context, draft: str, sampling: bool, strategies: Collection[str]) -> None:
     """Say so, on stderr, when options typed on the command line change nothing: the draft's
-    without a draft, the sampler's when nothing is sampled (``sampling`` False). A user who
-    asked for ``--seed 7`` at temperature 0 should not believe the seed was used."""
+    without a draft, the sampler's when nothing is sampled (``sampling`` False), a translation
+    strategy's own when none of ``strategies`` (those the run uses) reads them. A user who asked
+    for ``--seed 7`` at temperature 0 should not believe the seed was used."""
     typed = [name for name in ctx.params if ctx.get_parameter_source(name) is ParameterSource.COMMANDLINE]
     without_draft = [name for name in typed if name in DRAFT_OPTIONS] if draft == "none" else []
     greedy = [name for name in typed if name in SAMPLING_OPTIONS and name not in without_draft] if not sampling else []
-    for unused, reason in ((without_draft, "without a --draft"), (greedy, "at --temperature 0 (greedy decoding)")):
+    unread = [name for name in typed if name in STRATEGY_OPTIONS and name not in without_draft
+              and not STRATEGY_OPTIONS[name] & set(strategies)]
+    named = ", ".join(sorted(strategies))
+    for unused, reason in ((without_draft, "without a --draft"), (greedy, "at --temperature 0 (greedy decoding)"),
+                           (unread, f"with --strategy {named}")):
         if unused:
             names = ", ".join("--" + name.replace("_", "-") for name in unused)
             click.echo(f"note: {names} {'has' if len(unused) == 1 else 'have'} no effect {reason}", err=True)
