@@ -101,7 +101,7 @@ def test_enqueue_writes_batch_items_and_one_job_each(env, tmp_path):
 
 def test_policy_and_choice_names_are_read_in_any_case(env):
     code, output = invoke(env, "--dataset", "pl-short", "--limit", "1", "--draft", "smollm2-135m", "--k", "AUTO",
-                          "--strategy", "Context", "--verify", "TLI", "--partial-word", "HOLD", "--draft-vocab", "Full",
+                          "--strategy", "Aligned", "--verify", "TLI", "--partial-word", "HOLD", "--draft-vocab", "Full",
                           "--temperature", "0.7", "--json")
     assert code == 0, output
     engine = make_engine(env["POLSPEC_DB_URL"])
@@ -109,7 +109,7 @@ def test_policy_and_choice_names_are_read_in_any_case(env):
         params = session.get(Batch, json.loads(output)["batch"]).spec["params"]
     engine.dispose()
     assert (params["k"], params["strategy"], params["verify"], params["partial_word"], params["draft_vocab"]) == (
-        "auto", "context", "tli", "hold", "full")
+        "auto", "aligned", "tli", "hold", "full")
     code, output = invoke(env, "--dataset", "pl-short", "--limit", "1", "--draft", "NONE", "--json")
     assert code == 0, output
     engine = make_engine(env["POLSPEC_DB_URL"])
