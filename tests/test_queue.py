@@ -222,6 +222,13 @@ def test_status_watch_into_a_pipe_prints_each_change_as_it_comes(env):
     assert watch.returncode == 0 and "cancelled" in rest and rest.count("polspec batches") == 1
 
 
+def test_status_interval_without_watch_says_it_changes_nothing(env):
+    cli(env, "enqueue", "generate", "--dataset", "pl-short", "--limit", "1", "--target", "smollm2-135m")
+    once = CliRunner().invoke(main, ["status", "--json", "--interval", "5"], env=env)
+    assert once.exit_code == 0 and once.stderr == "note: --interval has no effect without --watch\n"
+    assert json.loads(once.stdout)["status"] == "queued"
+
+
 def test_status_watch_json_gives_every_batch_again_on_each_change(env):
     cli(env, "enqueue", "generate", "--dataset", "pl-short", "--limit", "2", "--target", "smollm2-135m")
     watch = subprocess.Popen([sys.executable, "-c", "from polspec.cli import main; main()", "status", "--watch",

@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 
 import click
+from click.core import ParameterSource
 from rich.live import Live
 from rich.table import Table
 
@@ -49,6 +50,8 @@ def status(batch_id: int | None, watch: bool, interval: float, as_json: bool) ->
     from polspec.store.migrate import upgraded_database
     from polspec.store.queries import batch_progress
 
+    if not watch and click.get_current_context().get_parameter_source("interval") is ParameterSource.COMMANDLINE:
+        click.echo("note: --interval has no effect without --watch", err=True)
     with upgraded_database(readonly=True, create=False) as engine:
         batches = batch_progress(engine, batch_id)
         if as_json:
