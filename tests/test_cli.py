@@ -173,7 +173,7 @@ def test_models_import_registers_an_alias(isolated_home, tmp_path, capsys):
     assert shown["config"]["model_type"] == "llama" and shown["config"]["vocab_size"] == 49152
     # In words without --json: no Python reprs of booleans, lists and dicts.
     lines = dict(line.split(None, 1) for line in invoke("models", "show", "my-smol")[1].splitlines())
-    assert (lines["chat_template"], lines["cached"], lines["eos_tokens"]) == ("yes", "yes", "<|im_end|>")
+    assert (lines["chat_template"], lines["cached"], lines["eos_tokens"]) == ("yes", "yes", '["<|im_end|>"]')
     assert lines["config"].startswith("model_type llama, hidden_size 576,") and "tie_word_embeddings yes" in lines["config"]
 
     code, output = invoke("models", "import", str(gguf_file), "--name", "my-smol")

@@ -17,7 +17,7 @@ from polspec.decoding.acceptance import AcceptanceEstimate
 from polspec.decoding.batch import BatchDecoder
 from polspec.decoding.costmodel import Probe
 from polspec.decoding.draft_vocab import draft_head
-from polspec.decoding import kv
+from polspec.decoding import kv, speculative
 from polspec.decoding.kv import new_cache
 from polspec.decoding.metrics import DecodeMetrics
 from polspec.decoding.policy import EXTEND_ABOVE, DraftLength
@@ -41,7 +41,7 @@ MAX_TOKENS = 8
 # POLSPEC_TEST_FULL_GRID=1 runs all 20 prompts for every pair, strategy and k (about 30
 # minutes here). By default the grid is sampled to keep the suite within minutes on a 2-core
 # CPU: the default configuration (gemma3 target, smollm2 draft, aligned, k=2) gets 5 prompts
-# (test_batch runs it over 8 more, one at a time and batched);
+# (test_batch runs it over 8 more through the batched decoder, at batch sizes 1, 3 and 8);
 # every strategy runs at k=2 on both pairs; at each other k, aligned and aligned/hold run with
 # one of the other three in turn, so each of those meets two other k across the pairs.
 FULL_GRID = os.environ.get("POLSPEC_TEST_FULL_GRID") == "1"
@@ -260,7 +260,8 @@ def test_a_sliding_window_model_serves_past_its_window(request, pair, gemma3_win
 
     At a window of 8 and prefill steps of 20 (not a multiple of it) the code is that of 512
     and 512, past the window many times and across prefill steps, at a sixth of the prompt."""
-    monkeypatch.setattr(kv, "PREFILL_STEP", 20)
+    for module in (kv, speculative):  # the target's prefill, and the draft's
+        monkeypatch.setattr(module, "PREFILL_STEP", 20)
     target_name, draft_name = pair.split(">")
     target, draft = request.getfixturevalue(target_name), request.getfixturevalue(draft_name)
     prompt = " ".join(PROMPTS) + " Podsumowując, Kraków jest"

@@ -138,7 +138,8 @@ def test_rows_of_one_batch_may_prune_differently(gemma3, smollm2):
     ("some", "draft_vocab must be a number of tokens or one of auto, full, got 'some'"),
     (100, "draft_vocab must be 1024 to 65536 tokens, auto or full, got 100"),
     (65537, "draft_vocab must be 1024 to 65536 tokens, auto or full, got 65537"),  # no pruned draft is larger
-    (True, "draft_vocab must be 1024 to 65536 tokens, auto or full, got True"),
+    (True, "draft_vocab must be 1024 to 65536 tokens, auto or full, got true"),
+    ([4096], r"draft_vocab must be 1024 to 65536 tokens, auto or full, got \[4096\]"),
 ])
 def test_invalid_draft_vocabularies(value, message):
     with pytest.raises(PolspecError, match=message):

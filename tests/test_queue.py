@@ -348,6 +348,9 @@ def test_recover_gives_a_job_whose_worker_was_killed_before_its_claim_to_another
     code, output = cli(env, "recover")
     assert (code, output) == (0, "re-enqueued 1 item (1 job's worker gone); run polspec worker to finish them\n")
     assert queue.get_job_ids() == [killed]
+    connection.delete(live.key)  # expired while Redis was away, say: a heartbeat rebuilds it without host and pid
+    live.heartbeat()
+    assert "nothing to recover" in cli(env, "recover")[1]
     connection.delete(live.key)  # RQ's record of a worker on another host expired: it stopped minutes ago
     assert cli(env, "recover")[1].startswith("re-enqueued 1 item (1 job's worker gone)")
     assert queue.get_job_ids() == [killed, taken]

@@ -171,8 +171,8 @@ def _in_words(value: object) -> str:
         return "yes" if value else "no"
     if value is None or value == "":
         return "-"
-    if isinstance(value, list):
-        return ", ".join(map(str, value)) or "-"
+    if isinstance(value, list):  # as JSON: a token may hold a comma, a line break or nothing at all
+        return json.dumps(value, ensure_ascii=False)
     if isinstance(value, dict):
         return ", ".join(f"{key} {_in_words(item)}" for key, item in value.items())
     return str(value)

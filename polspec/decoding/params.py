@@ -77,23 +77,25 @@ class DecodingParams:
         if isinstance(self.draft_vocab, str):
             if self.draft_vocab not in DRAFT_VOCAB:
                 raise PolspecError(f"draft_vocab must be a number of tokens or one of {', '.join(DRAFT_VOCAB)}, "
-                                   f"got {self.draft_vocab!r}")
+                                   f"got {as_written(self.draft_vocab)}")
         elif not is_whole_number(self.draft_vocab) or not MIN_DRAFT_VOCAB <= self.draft_vocab <= MAX_DRAFT_VOCAB:
             raise PolspecError(f"draft_vocab must be {MIN_DRAFT_VOCAB} to {MAX_DRAFT_VOCAB} tokens, auto or full, "
-                               f"got {self.draft_vocab!r}")
+                               f"got {as_written(self.draft_vocab)}")
         if not 1 <= self.max_tokens <= MAX_TOKENS:
             raise PolspecError(f"max_tokens must be at least 1 and at most {MAX_TOKENS:,}, got {self.max_tokens}")
         if isinstance(self.k, str):
             if self.k not in K_POLICIES:
-                raise PolspecError(f"k must be a number from 1 to {MAX_K} or one of {', '.join(K_POLICIES)}, got {self.k!r}")
+                raise PolspecError(f"k must be a number from 1 to {MAX_K} or one of {', '.join(K_POLICIES)}, "
+                                   f"got {as_written(self.k)}")
         elif not 1 <= self.k <= MAX_K:
             raise PolspecError(f"k must be between 1 and {MAX_K}, got {self.k}")
         if not 1 <= self.k_max <= MAX_K:
             raise PolspecError(f"k_max must be between 1 and {MAX_K}, got {self.k_max}")
         if self.strategy not in STRATEGIES:
-            raise PolspecError(f"unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}")
+            raise PolspecError(f"unknown strategy {as_written(self.strategy)}; choose one of {', '.join(STRATEGIES)}")
         if self.partial_word not in PARTIAL_WORD:
-            raise PolspecError(f"partial_word must be one of {', '.join(PARTIAL_WORD)}, got {self.partial_word!r}")
+            raise PolspecError(f"partial_word must be one of {', '.join(PARTIAL_WORD)}, "
+                               f"got {as_written(self.partial_word)}")
         if self.prefix < 0:
             raise PolspecError(f"prefix must be 0 or more, got {self.prefix}")
         if not 0 <= self.temperature < math.inf:
@@ -108,7 +110,7 @@ class DecodingParams:
         if self.top_k < 0:
             raise PolspecError(f"top_k must be 0 (off) or more, got {self.top_k}")
         if self.verify not in VERIFY:
-            raise PolspecError(f"verify must be one of {', '.join(VERIFY)}, got {self.verify!r}")
+            raise PolspecError(f"verify must be one of {', '.join(VERIFY)}, got {as_written(self.verify)}")
         if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
             raise PolspecError(f"seed must be between 0 and {MAX_SEED} (2**63 - 1), got {self.seed}")
         if not 0 < self.confidence < 1:
@@ -137,8 +139,9 @@ class DecodingParams:
 
 
 def as_written(value: object) -> str:
-    """A value in an error as a JSONL line or a TOML file writes it: ``true``, not ``True``."""
-    return json.dumps(value) if value is None or isinstance(value, bool) else repr(value)
+    """A value in an error as a JSONL line or a TOML file writes it: ``true``, not ``True``;
+    text in quotes, as Python would show it."""
+    return repr(value) if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=repr)
 
 
 def is_whole_number(value: object) -> bool:

@@ -134,14 +134,23 @@ def _starter_gone(connection: redis.Redis, worker_name: str | None, me: Worker) 
     killed between RQ's start and the claim (milliseconds; longer while a batch takes its jobs).
     RQ retries such a job only once its registry entry expired and a worker's maintenance came
     by, so a burst run ended without the item. Stopped: RQ's record of the worker is gone (it
-    expires minutes after the worker's last heartbeat), or it names this host and a dead pid
-    (a polspec worker records the host as :func:`~polspec.store.items.this_host` names it)."""
+    expires minutes after the worker's last heartbeat) or records its death, or it names this
+    host and a dead pid (a polspec worker records the host as
+    :func:`~polspec.store.items.this_host` names it). A record without host or pid (RQ rebuilds
+    one from a heartbeat alone after it expired, e.g. while Redis was away) says nothing: left
+    to RQ, as a job of a live worker must be."""
     if not worker_name:
         return False
-    host, pid = connection.hmget(BaseWorker.redis_worker_namespace_prefix + worker_name, "hostname", "pid")
-    if pid is None:
+    key = BaseWorker.redis_worker_namespace_prefix + worker_name
+    with connection.pipeline(transaction=False) as pipeline:
+        pipeline.exists(key)
+        pipeline.hmget(key, "hostname", "pid", "death")
+        exists, (host, pid, death) = pipeline.execute()
+    if not exists or death:
         return True
-    return host is not None and host.decode() == me.host and int(pid) != me.pid and not pid_alive(int(pid))
+    if host is None or pid is None:
+        return False
+    return host.decode() == me.host and int(pid) != me.pid and not pid_alive(int(pid))
 
 
 def _requeue_abandoned(engine: Engine, item: Item) -> bool:
