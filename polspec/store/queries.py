@@ -15,7 +15,7 @@ from sqlalchemy import ColumnElement, Engine, func, literal_column, select
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
-from polspec.errors import PolspecError
+from polspec.errors import DatabaseFailure, PolspecError
 from polspec.store.engine import session_scope
 from polspec.store.items import item_spec
 from polspec.store.schema import Batch, Cell, EnergyWindow, Item, Result, Status
@@ -296,6 +296,22 @@ def run_sql(engine: Engine, sql: str) -> tuple[list[str], list[tuple]]:
             if not result.returns_rows:
                 return [], []
             return list(result.keys()), [tuple(row) for row in result]
+    except DatabaseFailure as error:  # SQLite's refusals come as the engine's DatabaseFailure
+        if _refused_write(error.reason):
+            raise PolspecError(ONLY_READS) from None
+        raise
     except DBAPIError as error:
         reason = " ".join(str(error.orig).split())
+        if _refused_write(reason):
+            raise PolspecError(ONLY_READS) from None
         raise PolspecError(f"the database refused the query: {reason}") from None
+
+
+# SQLite's words for a write on a read-only connection ("attempt to write a readonly database"
+# is read as the file being read-only), and PostgreSQL's.
+_WRITE_REFUSALS = ("attempt to write a readonly database", "in a read-only transaction")
+ONLY_READS = "results sql only reads: the query would change the database"
+
+
+def _refused_write(reason: str) -> bool:
+    return any(refusal in reason for refusal in _WRITE_REFUSALS)
