@@ -367,6 +367,20 @@ def test_unreachable_server_error_names_the_url_without_password() -> None:
     assert "hunter2" not in message and "\n" not in message
 
 
+def test_results_show_gives_its_numbers_without_exponents(engine: Engine) -> None:
+    """1234.5 tok/s read 1.23e+03."""
+    with session_scope(engine) as session:
+        item = new_item(session, new_batch(session), "a")
+        item.status = Status.DONE.value
+        result = new_result(item)
+        result.metrics = {"decode_tokens_per_s": 1234.5, "acceptance_per_candidate": 0.83333, "prefill_s": 0.000123}
+        session.add(result)
+    url = engine.url.render_as_string(hide_password=False)
+    shown = CliRunner().invoke(main, ["results", "show", str(item.batch_id), "a"], env={"POLSPEC_DB_URL": url})
+    assert shown.exit_code == 0, shown.output
+    assert "metrics: decode_tokens_per_s=1234, acceptance_per_candidate=0.833, prefill_s=0.000123\n" in shown.output
+
+
 @pytest.mark.parametrize("url", ["sqlite://", "sqlite:///:memory:"])
 def test_an_in_memory_database_is_refused_in_one_line(url: str) -> None:
     for command in (["upgrade"], ["current"]):  # it used to upgrade a database the next command lost

@@ -430,6 +430,23 @@ def test_a_cell_counts_the_prompts_behind_its_speedup():
     assert "| gemma3-270m | aligned | 2 | 1/2 |" in markdown(report)
 
 
+def test_a_sample_that_stopped_at_once_has_no_speed_on_either_side():
+    """Sampled EOS as the first token: no decode speed (stored as 0). It counted as a speedup of
+    0 beside a baseline, and a row of speedup 0 made the headline divide by zero."""
+    def result(tokens_per_s: float) -> Result:
+        return Result(decode_tokens_per_s=tokens_per_s, metrics={"generated_tokens": 1, "rounds": 1})
+
+    stopped, measured, unpaired = (Pair("pl-wiki", 0, 1, key, 0) for key in "abc")
+    members = [(stopped, result(0.0)), (measured, result(60.0)), (unpaired, result(30.0))]
+    baseline = {stopped: 50.0, measured: 40.0, unpaired: 0.0}
+    row = cell_row(CellKey("pl-wiki", "gemma3-270m", "aligned", "2", 5, 1, 0.7, "tli"), members, baseline, None)
+    assert (row.prompts, row.paired_prompts, row.speedup, row.tokens_per_s) == (3, 1, 1.5, 45.0)
+    nothing = cell_row(CellKey("pl-wiki", "gemma3-270m", "aligned", "3", 5, 1, 0.7, "tli"), members[:1], baseline, None)
+    assert (nothing.speedup, nothing.tokens_per_s) == (None, None)
+    report = SweepReport(1, "sampled", "gemma3-270m", "done", 3, 3, [row, nothing], {}, [])
+    assert "fastest: gemma3-270m aligned k=2" in markdown(report)
+
+
 def test_the_interval_of_close_ratios_is_the_t_interval():
     ratios = [1.1, 1.2, 1.3, 1.2]
     half = 3.182 * statistics.stdev(ratios) / 2  # t(0.975, 3 degrees of freedom), 4 prompts

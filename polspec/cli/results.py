@@ -121,7 +121,7 @@ def show_command(batch_id: int, item_id: str, as_json: bool) -> None:
         shown = {key: metrics.get(key) for key in ("generated_tokens", "decode_tokens_per_s", "acceptance_per_candidate",
                                                     "tokens_per_round", "rounds", "batch_size", "prefill_s", "decode_s",
                                                     "seed")}
-        click.echo("metrics: " + ", ".join(f"{key}={value:.3g}" if isinstance(value, float) else f"{key}={value}"
+        click.echo("metrics: " + ", ".join(f"{key}={_three_digits(value) if isinstance(value, float) else value}"
                                             for key, value in shown.items() if value is not None))
         energy = (f"{detail['energy_joules']:.3g} J ({detail['energy_source']})" if detail["energy_joules"] is not None
                   else f"unavailable: {detail['energy_unavailable_reason']}")
@@ -129,6 +129,11 @@ def show_command(batch_id: int, item_id: str, as_json: bool) -> None:
         if detail["batch_energy"] is not None:
             click.echo(f"energy of its batch: {_window_line(detail['batch_energy'])}")
         click.echo(f"ran on: {detail['backend']}/{detail['device']}, {detail['worker_host']}")
+
+
+def _three_digits(value: float) -> str:
+    """Three significant digits, and a thousand or more as a whole number: 1234 tok/s, not 1.23e+03."""
+    return f"{value:.0f}" if abs(value) >= 1000 else f"{value:.3g}"
 
 
 def _window_line(window: dict) -> str:

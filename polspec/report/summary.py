@@ -356,9 +356,12 @@ def cell_row(key: CellKey, members: list[tuple[Pair, Measured]], baseline: dict[
     def total(name: str) -> float:
         return _total(metrics, name)
 
+    # A result that decoded nothing past its first token (sampled EOS at once) has no speed, on
+    # either side: as a 0 it made a speedup of 0 (a report then divided by it and failed).
+    timed = [(pair, result) for pair, result in members if result.decode_tokens_per_s > 0]
     # Seeds and repeats of one prompt are not independent samples: average them per prompt first.
     ratios_per_prompt, base_speeds = defaultdict(list), []
-    for pair, result in members:
+    for pair, result in timed:
         paired = baseline.get(pair)
         if paired:
             ratios_per_prompt[pair.prompt_key].append(result.decode_tokens_per_s / paired)
@@ -376,7 +379,7 @@ def cell_row(key: CellKey, members: list[tuple[Pair, Measured]], baseline: dict[
         acceptance_per_candidate=accepted / total("candidates") if total("candidates") else None,
         acceptance_per_draft_token=total("draft_tokens_accepted") / total("draft_tokens") if total("draft_tokens") else None,
         tokens_per_round=total("generated_tokens") / total("rounds") if total("rounds") else None,
-        tokens_per_s=statistics.median(result.decode_tokens_per_s for _, result in members),
+        tokens_per_s=statistics.median(result.decode_tokens_per_s for _, result in timed) if timed else None,
         baseline_tokens_per_s=statistics.median(base_speeds) if base_speeds else None,
         speedup=speedup, speedup_low=low, speedup_high=high, aggregate_tokens_per_s=aggregate,
         aggregate_speedup=aggregate / baseline_aggregate if aggregate and baseline_aggregate else None,
