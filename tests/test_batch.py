@@ -114,8 +114,10 @@ def test_a_model_drafting_for_itself_in_a_batch_has_every_candidate_accepted(gem
         assert m.tokens_per_round > 2
 
 
-def test_sequences_join_and_leave_between_rounds(gemma3, smollm2, single):
-    """Continuous batching: late joins, a cancelled sequence, ragged caches that stay exact."""
+def test_sequences_join_and_leave_between_rounds(gemma3, smollm2, single, monkeypatch):
+    """Continuous batching: late joins, a cancelled sequence, ragged caches that stay exact, the
+    padding every row has cut whenever there is some (past 64 entries in real use)."""
+    monkeypatch.setattr(batch_kv, "PADDING_CUT", 1)
     decoder = BatchDecoder(gemma3, smollm2, max_batch=3)
     tokens: dict[int, list[int]] = {}
     finished: dict[int, str] = {}

@@ -94,6 +94,31 @@ def trim_each(batch: list[BatchKVCache], amounts: list[int]) -> None:
         step = mx.array(shifts)
         layer.offset = layer.offset - step
         layer.left_padding = layer.left_padding + step
+    if any(shifts):
+        _cut_shared_padding(batch)
+
+
+# Left padding every row has is cut once it reaches this many entries: each cut copies the cache.
+PADDING_CUT = 64
+
+
+def _cut_shared_padding(batch: list[BatchKVCache]) -> None:
+    """Drop the left padding every row of the batch has (a host sync of one small array).
+
+    :func:`trim_each` moves a row right by what it lost beyond the row that lost least, so
+    while rows stay together (mlx-lm cuts shared padding only when a row leaves) every row
+    gathers padding that the cache holds and attention reads: 326 entries beside a longest row
+    of 462 after 150 rounds of 8 rows at k = 4."""
+    if batch[0].keys is None:
+        return
+    shared = min(batch[0].left_padding.tolist())
+    if shared < PADDING_CUT:
+        return
+    for layer in batch:  # every layer was trimmed alike: one padding for all
+        layer.keys = layer.keys[..., shared:, :]
+        layer.values = layer.values[..., shared:, :]
+        layer._idx -= shared
+        layer.left_padding = layer.left_padding - shared
 
 
 def row_lengths(batch: list[BatchKVCache]) -> list[int]:
