@@ -199,7 +199,8 @@ def test_the_read_only_query_cannot_create_a_file_or_run_nothing(sqlite_env, bat
     assert code == 1 and output == "polspec: error: the query is empty\n"
     for write in ("DELETE FROM items", "CREATE TABLE mine (a)"):  # SQLite said "attempt to write a readonly database"
         code, output = cli(sqlite_env, "results", "sql", write)
-        assert (code, output) == (1, "polspec: error: results sql only reads: the query would change the database\n")
+        assert (code, output) == (1, "polspec: error: results sql only reads: the query would change the database "
+                                     "(attempt to write a readonly database)\n")
     code, output = cli(sqlite_env, "results", "sql", "SELECT count(*) AS n FROM items", "--json")
     assert code == 0 and json.loads(output) == {"n": 3}
     code, output = cli(sqlite_env, "results", "sql", "SELECT 1e999 AS big, -1e999 AS small, 0.5 AS half", "--json")

@@ -298,17 +298,17 @@ def run_sql(engine: Engine, sql: str) -> tuple[list[str], list[tuple]]:
             return list(result.keys()), [tuple(row) for row in result]
     except DatabaseFailure as error:  # SQLite's refusals come as the engine's DatabaseFailure
         if _refused_write(error.reason):
-            raise PolspecError(ONLY_READS) from None
+            raise PolspecError(f"{ONLY_READS} ({error.reason})") from None
         raise
     except DBAPIError as error:
         reason = " ".join(str(error.orig).split())
         if _refused_write(reason):
-            raise PolspecError(ONLY_READS) from None
+            raise PolspecError(f"{ONLY_READS} ({reason})") from None
         raise PolspecError(f"the database refused the query: {reason}") from None
 
 
-# SQLite's words for a write on a read-only connection ("attempt to write a readonly database"
-# is read as the file being read-only), and PostgreSQL's.
+# SQLite's words for a write on a read-only connection, which read as if the file were
+# read-only, and PostgreSQL's. Their own words follow in brackets.
 _WRITE_REFUSALS = ("attempt to write a readonly database", "in a read-only transaction")
 ONLY_READS = "results sql only reads: the query would change the database"
 
