@@ -32,7 +32,7 @@ from polspec.jobs.queue import (JOB_FUNCTION, RETRIES, delete_jobs, enqueue_item
                                make_queue, queue_name)
 from polspec.store.engine import session_scope
 from polspec.store.items import (DEFAULT_LEASE_S, Worker, database_id, database_now, max_tokens, owner_gone,
-                                 pid_alive, reopen_items, settle_batch)
+                                 reopen_items, settle_batch)
 from polspec.store.queries import find_batch
 from polspec.store.schema import Batch, Item, Status
 
@@ -148,9 +148,7 @@ def _starter_gone(connection: redis.Redis, worker_name: str | None, me: Worker) 
         exists, (host, pid, death) = pipeline.execute()
     if not exists or death:
         return True
-    if host is None or pid is None:
-        return False
-    return host.decode() == me.host and int(pid) != me.pid and not pid_alive(int(pid))
+    return host is not None and pid is not None and me.sees_stopped(host.decode(), int(pid))
 
 
 def _requeue_abandoned(engine: Engine, item: Item) -> bool:

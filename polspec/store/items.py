@@ -43,6 +43,11 @@ class Worker:
     def this_process(cls) -> Worker:
         return cls(this_host(), os.getpid())
 
+    def sees_stopped(self, host: str | None, pid: int | None) -> bool:
+        """Whether process ``pid`` of ``host`` is another on this host, where its pid means
+        something to this worker, and no longer runs."""
+        return host == self.host and pid is not None and pid != self.pid and not pid_alive(pid)
+
 
 def this_host() -> str:
     """The host name, followed on Linux by the pid namespace when it is not the machine's own.
@@ -90,9 +95,8 @@ def database_now(session: Session) -> datetime:
 
 def owner_gone(item: Item, me: Worker, now: datetime, lease_s: float) -> bool:
     """Whether a running item's worker has stopped: dead on this host, or its lease ran out."""
-    if item.worker_host == me.host and item.worker_pid is not None and item.worker_pid != me.pid:
-        if not pid_alive(item.worker_pid):
-            return True
+    if me.sees_stopped(item.worker_host, item.worker_pid):
+        return True
     heartbeat = item.heartbeat_at or item.started_at
     return heartbeat is None or now - heartbeat > timedelta(seconds=lease_s)
 
