@@ -8,6 +8,7 @@ from collections import Counter
 import pytest
 
 from polspec.decoding import DecodingParams, batch_kv, generate
+from polspec.decoding import batch as batch_module
 from polspec.decoding.acceptance import forget_estimates
 from polspec.decoding.batch import BatchDecoder, max_batch_size, stream_batch
 from polspec.decoding.costmodel import BatchCost, Probe
@@ -91,6 +92,29 @@ def test_batched_speculative_is_lossless_for_every_strategy(gemma3, smollm2, sin
 def test_batched_speculative_with_a_sliding_window_draft_and_every_policy(smollm2, gemma3, single, k):
     tokens, _ = decode_all(smollm2, gemma3, 3, k=k)
     assert_lossless(smollm2, single, tokens)
+
+
+def test_the_confidence_policy_drafts_no_step_past_what_every_row_proposes(gemma3, smollm2, single, monkeypatch):
+    """A row sure of every token stops at its k (2); a row unsure of every token stops after its
+    first. The batch drafts two steps a round, not up to the second row's k (8), and both rows
+    decode what the target alone does."""
+    steps = []
+    draft_step = batch_module._draft_step
+
+    def counted(heads, features, sequences, step, ks, confidence_needed):
+        steps.append(step)
+        return draft_step(heads, features, sequences, step, ks, confidence_needed)
+
+    monkeypatch.setattr(batch_module, "_draft_step", counted)
+    requests = [(PROMPTS[index], DecodingParams(max_tokens=max_tokens(index), k="confidence", k_max=k_max,
+                                                 confidence=confidence))
+                for index, k_max, confidence in [(0, 2, 0.001), (1, 8, 0.999)]]
+    tokens: dict[int, list[int]] = {0: [], 1: []}
+    for event in stream_batch(gemma3, smollm2, requests, max_batch=2, chat=False):
+        if event.commit is not None:
+            tokens[event.key] += event.commit.tokens
+    assert steps and max(steps) <= 1
+    assert_lossless(gemma3, single, tokens)
 
 
 def test_a_sliding_window_target_in_a_batch_is_lossless_past_its_window(gemma3, smollm2, gemma3_window):

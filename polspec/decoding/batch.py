@@ -317,11 +317,13 @@ class BatchDecoder:
         batch_kv.trim_each(self.draft_cache, [width - len(feed) for feed in feeds])
         steps = max(ks)
         # Every row needs its floor's steps; beyond those, the rows that may stop early decide,
-        # at one host sync per step, as the single-sequence decoder does.
+        # at one host sync per step, as the single-sequence decoder does. A deciding row is done
+        # at its first unsure token past its floor or at its k, whichever comes first.
         fixed = max(floors)
         deciding = [row for row in range(len(self.rows)) if floors[row] < ks[row]]
         thresholds = mx.array([self.rows[row].policy.threshold for row in deciding])
         counted_from = mx.array([floors[row] - 1 for row in deciding])
+        deciding_ks = mx.array([ks[row] for row in deciding])
         tokens, confidences = [], []
         for sequence in self.rows:
             sequence.probabilities = []
@@ -332,22 +334,21 @@ class BatchDecoder:
             if step + 1 == steps:
                 break
             if step + 1 >= fixed and deciding:
-                so_far = mx.stack(confidences, axis=1)[mx.array(deciding)]
-                unsure = (so_far < thresholds[:, None]) & (mx.arange(step + 1)[None, :] >= counted_from[:, None])
-                if mx.all(mx.any(unsure, axis=1)).item():
+                done = mx.any(_stops(confidences, deciding, thresholds, counted_from, deciding_ks), axis=1)
+                if mx.all(done | (deciding_ks <= step + 1)).item():
                     break
             features = next(iter(heads)).features(token[:, None], self.draft_cache)
         steps = len(tokens)
         mx.eval(tokens, confidences)
         drafted = mx.stack(tokens, axis=1).tolist()
-        sure = mx.stack(confidences, axis=1).tolist()
+        stops = (dict(zip(deciding, _stops(confidences, deciding, thresholds, counted_from, deciding_ks).tolist()))
+                 if deciding else {})
         proposals = []
         for row, sequence in enumerate(self.rows):
             text = sequence.draft_text
             proposal = drafted[row][: ks[row]]
-            if floors[row] < ks[row]:
-                low = next((i for i, p in enumerate(sure[row][: ks[row]])
-                            if i >= floors[row] - 1 and p < sequence.policy.threshold), None)
+            if row in stops:
+                low = next((i for i, stop in enumerate(stops[row]) if stop), None)
                 proposal = proposal if low is None else proposal[: low + 1]
             if sequence.draft_warm:
                 text.fed = len(text.sequence) + max(len(proposal) - 1, 0)
@@ -454,6 +455,17 @@ def _draft_step(heads: dict[DraftHead, list[int]], features: mx.array, sequences
         token[mx.array(rows)] = chosen
         confidence[mx.array(rows)] = sure
     return token, confidence
+
+
+def _stops(confidences: list[mx.array], deciding: list[int], thresholds: mx.array, counted_from: mx.array,
+           ks: mx.array) -> mx.array:
+    """For each deciding row (``deciding``, with its ``thresholds``, first counted step and k)
+    and each draft step so far, whether the row stops at that step's token: the token is below
+    the row's threshold, past its floor and within its k. One comparison, in float32, for the
+    loop's early stop and for the proposal's cut."""
+    so_far = mx.stack(confidences, axis=1)[mx.array(deciding)]
+    step = mx.arange(so_far.shape[1])[None, :]
+    return (so_far < thresholds[:, None]) & (step >= counted_from[:, None]) & (step < ks[:, None])
 
 
 def _floor(sequence: _Sequence, k: int) -> int:
