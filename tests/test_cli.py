@@ -211,12 +211,15 @@ def test_generate_streams_greedy_polish_and_reports_json(gemma3, resident_models
 
 @pytest.mark.parametrize("args, message", [
     (["generate", "   "], "polspec: error: the prompt is empty"),
-    (["generate", "Krak\udcf3w"], "polspec: error: the prompt is not UTF-8: byte 0xf3 at character 5"),  # Latin-2 ó
+    (["generate", "Krak\udcf3w"], "polspec: error: the argument 'Krak\\xf3w' is not UTF-8: byte 0xf3 at character 5"),  # Latin-2 ó
     (["generate", "x", "--target", "gemma-270m"], "polspec: error: unknown model alias 'gemma-270m'; did you mean gemma3-270m"),
     (["generate", "x", "--target", "GEMMA3-270M"], "polspec: error: unknown model alias 'GEMMA3-270M'; did you mean gemma3-270m"),
     # The draft is checked before the target loads (this test has no models to load).
     (["generate", "x", "--target", "gemma3-270m", "--draft", "smollm"], "polspec: error: unknown model alias 'smollm'"),
     (["generate", "x", "--temperature", "0.7", "--seed", "-3"], "polspec: error: --seed must be between 0 and"),
+    # Told before the 1.5B target loads (the encoder said it once both had loaded).
+    (["generate", "x", "--target", "qwen2.5-coder-1.5b", "--draft", "gemma3-270m"],
+     "polspec: error: draft gemma3-270m has no chat template but qwen2.5-coder-1.5b runs in chat mode: add --raw"),
     (["generate", "x", "--draft", "tok:llama3"], "polspec: error: tok:llama3 is a tokenizer alone, not a model that can run"),
 ])
 def test_generate_bad_input(args, message):
@@ -238,6 +241,13 @@ def test_a_probe_of_fewer_than_three_repeats_is_called_noisy():
     code, output = invoke("models", "probe", "gemma-270m", "smollm2-135m", "--repeats", "2")
     assert output.startswith("note: 2 repeat(s) give noisy figures")  # said before anything loads
     assert code == 1 and "unknown model alias 'gemma-270m'" in output
+
+
+@pytest.mark.parametrize("args", [["models", "probe", "gemma3-270m", "smollm"], ["models", "fetch", "gemma3-270m", "smollm"]])
+def test_a_mistyped_alias_among_several_is_told_before_any_model_is_fetched(isolated_home, args):
+    code, output = invoke(*args)
+    assert code == 1 and output.startswith("polspec: error: unknown model alias 'smollm'") and output.count("\n") == 1
+    assert not (isolated_home / "models").exists()
 
 
 def test_tables_print_whole_when_the_output_is_not_a_terminal(monkeypatch):

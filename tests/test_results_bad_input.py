@@ -75,7 +75,7 @@ def test_an_export_follows_the_umask_and_replaces_a_file_whole(sqlite_env, batch
     assert stat.S_IMODE(target.stat().st_mode) == 0o640  # not the temporary file's private 0600
     assert len(target.read_text(encoding="utf-8-sig").splitlines()) == 4
     target.chmod(0o604)
-    code, _ = cli(sqlite_env, "results", "export", str(batch), "--output", str(target))
+    code, _ = cli(sqlite_env, "results", "export", str(batch), "--format", "jsonl", "--output", str(target))
     assert code == 0 and stat.S_IMODE(target.stat().st_mode) == 0o604  # a replaced file keeps its mode
     assert [json.loads(line)["status"] for line in target.read_text(encoding="utf-8").splitlines()] == ["queued"] * 3
     assert sorted(path.name for path in tmp_path.iterdir()) == ["data", "wyniki.csv"]
@@ -137,6 +137,55 @@ def test_an_output_of_a_dash_is_standard_output_and_exports_say_what_decoded_eac
     assert sorted(path.name for path in tmp_path.iterdir()) == ["data", "sweep.toml"]
     code, _ = cli(sqlite_env, "results", "export", str(batch), "--output", "./-")  # a file named "-", asked for
     assert code == 0 and len((tmp_path / "-").read_text(encoding="utf-8").splitlines()) == 3
+
+
+def test_an_export_or_report_into_the_database_itself_is_refused(sqlite_env, batch, tmp_path, monkeypatch):
+    """It replaced every result with the export (`status` then read "file is not a database")."""
+    database = sqlite_file(make_url(sqlite_env["POLSPEC_DB_URL"]))
+    monkeypatch.chdir(database.parent)
+    (tmp_path / "linked.db").hardlink_to(database)
+    before = database.read_bytes()
+    for command in (["results", "export", str(batch)], ["report", "1"]):
+        for output in (str(database), database.name, f"{database.name}-wal", str(tmp_path / "linked.db")):
+            code, said = cli(sqlite_env, *command, "--output", output)
+            assert code == 2 and said.splitlines()[-1] == (f"Error: Invalid value for '--output': {output} is a file of "
+                                                           f"polspec's database {database}; write to another file")
+    assert database.read_bytes() == before and not Path(f"{database}-wal").exists()
+    code, said = cli(sqlite_env, "results", "list", "--json")
+    assert code == 0 and [json.loads(line)["status"] for line in said.splitlines()] == ["queued"] * 3
+
+
+def test_the_output_file_extension_chooses_the_format_unless_one_is_given(sqlite_env, batch, tmp_path):
+    sweep = tmp_path / "sweep.toml"
+    sweep.write_text('target = "gemma3-270m"\ndrafts = ["smollm2-135m"]\ndatasets = [{ name = "pl-short", limit = 1 }]\n')
+    sweep_id = json.loads(cli(sqlite_env, "enqueue", "sweep", "--config", str(sweep), "--json")[1])["batch"]
+    written = {}
+    for command, name in [(["results", "export", str(batch)], "items.CSV"), (["results", "export", str(batch)], "items.jsonl"),
+                          (["results", "export", str(batch), "--format", "jsonl"], "typed.csv"),
+                          (["results", "export", str(batch)], "items.txt"), (["report", str(sweep_id)], "report.csv"),
+                          (["report", str(sweep_id)], "report.json"), (["report", str(sweep_id)], "report.txt")]:
+        code, output = cli(sqlite_env, *command, "--output", str(tmp_path / name))
+        assert code == 0, output
+        written[name] = (tmp_path / name).read_text(encoding="utf-8")
+    assert written["items.CSV"].startswith("\ufeffbatch,id,status,")
+    assert [json.loads(line)["status"] for line in written["items.jsonl"].splitlines()] == ["queued"] * 3
+    assert written["typed.csv"] == written["items.txt"] == written["items.jsonl"]  # typed, or no format named
+    assert written["report.csv"].startswith("dataset,") and json.loads(written["report.json"])["sweep"] == sweep_id
+    assert written["report.txt"].startswith(f"# Sweep {sweep_id}: ")
+
+
+@pytest.mark.parametrize("args", [
+    ["enqueue", "generate", "--dataset", "pl-short", "--limit", "1", "--name", "pr\udcf3ba"],  # Latin-2 "próba"
+    ["results", "show", "1", "\udcff"],
+    ["results", "sql", "select '\udcff'"],
+])
+def test_an_argument_that_is_not_utf8_is_one_line_before_anything_runs(sqlite_env, batch, args):
+    code, output = cli(sqlite_env, *args)
+    shown = args[-1].replace("\udcf3", "\\xf3").replace("\udcff", "\\xff")
+    assert code == 1 and output.startswith(f"polspec: error: the argument '{shown}' is not UTF-8: byte 0x")
+    assert output.count("\n") == 1
+    code, output = cli(sqlite_env, "status", "--json")
+    assert code == 0 and [json.loads(line)["batch"] for line in output.splitlines()] == [batch]  # nothing enqueued
 
 
 def test_an_output_that_cannot_be_written_is_one_line_and_leaves_nothing(sqlite_env, batch, tmp_path):

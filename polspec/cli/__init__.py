@@ -42,14 +42,19 @@ class PolspecGroup(click.Group):
             click.echo(f"polspec: error: {error.filename}: {error.strerror}", err=True)
             sys.exit(1)
 
-    def main(self, *args, **kwargs):
+    def main(self, args=None, *rest, **kwargs):
         # SIGTERM (kill, timeout, systemd) ends a command through its cleanups, as Ctrl+C does:
         # an import or fetch cut short removes its work folder (gigabytes for a large model)
         # instead of leaving it in the cache. The worker installs its own handlers over this.
         if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
             signal.signal(signal.SIGTERM, _terminated)
         try:
-            return super().main(*args, **kwargs)
+            _check_arguments(sys.argv[1:] if args is None else args)
+        except PolspecError as error:
+            click.echo(f"polspec: error: {error}", err=True)
+            sys.exit(1)
+        try:
+            return super().main(args, *rest, **kwargs)
         except OSError as error:  # raised outside invoke too: --help writes while parsing
             if error.errno not in _CANNOT_WRITE:
                 raise
@@ -58,6 +63,22 @@ class PolspecGroup(click.Group):
             where = f" {error.filename}" if error.filename else " the output"
             click.echo(f"polspec: error: cannot write{where}: {error.strerror}", err=True)
             sys.exit(1)
+
+
+def _check_arguments(arguments) -> None:
+    """Refuse an argument that is not UTF-8 (a Latin-2 name from an old script) before anything
+    runs: names, prompts and queries end up in the database or the queue, which store text
+    alone, and a path is held to the same rule rather than to one of its own."""
+    from polspec.decoding.prompts import check_text
+
+    for argument in arguments:
+        try:
+            argument.encode("utf-8")
+        except UnicodeEncodeError:
+            # Python hands on a byte that is not UTF-8 as a surrogate U+DC80-U+DCFF: shown as the byte
+            shown = "".join(f"\\x{ord(char) - 0xdc00:02x}" if "\udc80" <= char <= "\udcff" else char
+                            for char in argument[:40])
+            check_text(argument, f"the argument '{shown}{'...' if len(argument) > 40 else ''}'")
 
 
 def _terminated(signum: int, frame) -> None:

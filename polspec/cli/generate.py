@@ -65,7 +65,7 @@ def generate(ctx: click.Context, prompt: str, target: str, draft: str, raw: bool
     """
     from polspec.decoding.metrics import DecodeMetrics
     from polspec.decoding.probe_files import load_probe
-    from polspec.decoding.prompts import check_prompt
+    from polspec.decoding.prompts import chat_mode, check_draft_template, check_prompt
     from polspec.decoding.run import generate as generate_text, stream
     from polspec.models.loader import load_model
     from polspec.models.registry import load_registry
@@ -78,17 +78,16 @@ def generate(ctx: click.Context, prompt: str, target: str, draft: str, raw: bool
     params = decoding_params(options)
     check_prompt(prompt)  # before the models load: an empty prompt or a mistyped alias is told at once
     registry = load_registry()
-    registry.model(target)
-    if draft != "none":
-        registry.model(draft)
+    target_entry = registry.model(target)
+    chat = False if raw else None
+    check_draft_template(target_entry, None if draft == "none" else registry.model(draft), chat_mode(target_entry, chat))
     note_if_the_draft_is_the_target(target, draft)
     note_options_without_effect(ctx, draft, sampling=params.temperature > 0, strategies={params.strategy})
-    target_model = load_model(target)
-    draft_model = None if draft == "none" else load_model(draft)
+    target_model = load_model(target, registry)
+    draft_model = None if draft == "none" else load_model(draft, registry)
     if draft_model is not None and params.k == "auto" and load_probe(target, draft) is None:
         click.echo(f"k=auto: measuring what a round costs for {target} with {draft} on this machine, once "
                    "(a minute or two; `polspec models probe` does it ahead of time)", err=True)
-    chat = False if raw else None
     if as_json:
         result = generate_text(target_model, draft_model, prompt, params, chat)
         click.echo(json.dumps({

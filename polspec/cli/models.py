@@ -85,12 +85,13 @@ def fetch(aliases: tuple[str, ...]) -> None:
     from polspec.models.tokenizers import fetch_tokenizer_file
 
     registry = load_registry()
-    for alias in aliases:
+    # Every alias looked up before the first download: a typo in the last is told at once.
+    entries = [registry.tokenizer(alias) if alias in registry.tokenizers else registry.model(alias)
+               for alias in aliases]
+    for alias, entry in zip(aliases, entries):
         with progress_bar(alias) as report:
-            if alias in registry.tokenizers:
-                path = fetch_tokenizer_file(registry.tokenizer(alias), report)
-            else:
-                path = fetch_model(registry.model(alias), report)
+            path = (fetch_tokenizer_file(entry, report) if alias in registry.tokenizers
+                    else fetch_model(entry, report))
         click.echo(f"{alias}: {path}")
 
 
@@ -208,8 +209,12 @@ def probe(target: str, draft: str, repeats: int, as_json: bool) -> None:
     if repeats < 3:
         click.echo(f"note: {repeats} repeat(s) give noisy figures, and --k auto and reports will use them; "
                    "3 or more are steadier", err=True)
+    registry = load_registry()
+    registry.model(target)  # both aliases before either model loads: a mistyped draft is told at once
+    registry.model(draft)
     with progress_bar("loading") as report:
-        target_model, draft_model = load_model(target, progress=report), load_model(draft, progress=report)
+        target_model = load_model(target, registry, progress=report)
+        draft_model = load_model(draft, registry, progress=report)
     with progress_bar("measuring") as report:
         stages = itertools.count()
         result = measure_probe(target_model, draft_model, repeats=repeats,

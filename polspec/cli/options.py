@@ -42,6 +42,32 @@ def a_path(ctx: click.Context, param: click.Parameter, value):
     return value
 
 
+def an_output_file(ctx: click.Context, param: click.Parameter, value):
+    """An output file option's value (as :func:`a_path`), refused where it is polspec's own
+    SQLite database or one of its companion files: an export or a report written there would
+    replace every result."""
+    from polspec.store.engine import parse_url, sqlite_file
+
+    value = a_path(ctx, param, value)
+    database = sqlite_file(parse_url()) if value not in (None, "-") else None
+    if database is not None:
+        path = Path(value)
+        for own in (database, *(database.with_name(database.name + end) for end in ("-wal", "-shm", "-journal"))):
+            if path.resolve() == own.resolve() or (path.exists() and own.exists() and path.samefile(own)):
+                raise click.BadParameter(f"{value} is a file of polspec's database {database}; write to another file")
+    return value
+
+
+def output_format(ctx: click.Context, fmt: str, output: str | None) -> str:
+    """The ``--format`` typed; left out, the one ``--output``'s extension names (``wyniki.csv``
+    is CSV) where it is one of the option's choices, else the option's default."""
+    if ctx.get_parameter_source("fmt") is ParameterSource.COMMANDLINE or output in (None, "-"):
+        return fmt
+    choices = next(param for param in ctx.command.params if param.name == "fmt").type.choices
+    named = Path(output).suffix.lower().removeprefix(".")
+    return named if named in choices else fmt
+
+
 def a_folder(ctx: click.Context, param: click.Parameter, value: str | None) -> Path | None:
     """A folder option's value as a path, refused when empty (``.`` is the working directory)."""
     if value == "":

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from polspec.cli.options import ROW_ID, a_folder, a_path
+from polspec.cli.options import ROW_ID, a_folder, an_output_file, output_format
 from polspec.errors import PolspecError
 from polspec.files import write_file_atomically
 
@@ -20,12 +20,14 @@ if TYPE_CHECKING:
 @click.argument("sweep_id", type=ROW_ID)
 @click.option("--format", "fmt", type=click.Choice(["md", "csv", "json"], case_sensitive=False), default="md",
               show_default=True,
-              help="Markdown tables, or one row per cell as CSV or JSON.")
-@click.option("--output", type=click.Path(dir_okay=False, allow_dash=True), callback=a_path,
+              help="Markdown tables, or one row per cell as CSV or JSON; left out, --output's extension chooses "
+                   "(.md, .csv, .json).")
+@click.option("--output", type=click.Path(dir_okay=False, allow_dash=True), callback=an_output_file,
               help="Write the report to this file (whole or not at all); without it, or with -, to standard output.")
 @click.option("--plots", type=click.Path(file_okay=False), callback=a_folder,
               help="Write PNG plots into this directory (created if missing).")
-def report(sweep_id: int, fmt: str, output: str | None, plots: Path | None) -> None:
+@click.pass_context
+def report(ctx: click.Context, sweep_id: int, fmt: str, output: str | None, plots: Path | None) -> None:
     """The report of sweep SWEEP_ID (the batch id `polspec enqueue sweep` printed; `polspec
     status` lists them). Per dataset, draft, strategy and k (and temperature and verify where the
     sweep varies them): acceptance per candidate and per draft token, tokens per round, tokens/s, speedup over
@@ -35,7 +37,7 @@ def report(sweep_id: int, fmt: str, output: str | None, plots: Path | None) -> N
     \b
     Examples:
       polspec report 4
-      polspec report 4 --format csv --output sweep.csv --plots plots/
+      polspec report 4 --output sweep.csv --plots plots/
     """
     from polspec.report.render import csv_text, json_text, markdown
     from polspec.report.summary import sweep_report
@@ -44,6 +46,7 @@ def report(sweep_id: int, fmt: str, output: str | None, plots: Path | None) -> N
     with upgraded_database(readonly=True, create=False) as engine:
         summary = sweep_report(engine, sweep_id)
     destination = None if output in (None, "-") else Path(output)
+    fmt = output_format(ctx, fmt, output)
     text = {"md": markdown, "csv": csv_text, "json": json_text}[fmt](summary)
     # Plots first and the report last; on any failure the plots this run added are removed
     # again (with the folders it made for them). Plots it overwrote stay overwritten.

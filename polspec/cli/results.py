@@ -16,7 +16,7 @@ import click
 from rich.table import Table
 
 from polspec.cli.console import output_console
-from polspec.cli.options import ROW_ID, a_path
+from polspec.cli.options import ROW_ID, an_output_file, output_format
 from polspec.errors import PolspecError
 from polspec.files import write_file_atomically
 from polspec.store.schema import Status
@@ -35,7 +35,7 @@ def results() -> None:
     Examples:
       polspec results list --batch 3
       polspec results show 3 q1
-      polspec results export 3 --format csv --output wyniki.csv
+      polspec results export 3 --output wyniki.csv
       polspec results sql "SELECT status, count(*) FROM items GROUP BY status"
     """
 
@@ -150,10 +150,11 @@ def _window_line(window: dict) -> str:
 @results.command("export")
 @click.argument("batch_id", type=ROW_ID)
 @click.option("--format", "fmt", type=click.Choice(["csv", "jsonl"], case_sensitive=False), default="jsonl",
-              show_default=True)
-@click.option("--output", type=click.Path(dir_okay=False, allow_dash=True), callback=a_path,
+              show_default=True, help="Left out, --output's extension chooses (.csv, .jsonl).")
+@click.option("--output", type=click.Path(dir_okay=False, allow_dash=True), callback=an_output_file,
               help="Write to this file (whole or not at all); without it, or with -, to standard output.")
-def export_command(batch_id: int, fmt: str, output: str | None) -> None:
+@click.pass_context
+def export_command(ctx: click.Context, batch_id: int, fmt: str, output: str | None) -> None:
     """Every item of a batch with its text and metrics, as CSV or JSONL (UTF-8), enough to analyse
     and rerun each on its own: the target and draft with the sha256 of their weights, the decoding
     settings (k, strategy, verify, prefix, partial_word, draft_vocab, confidence, k_max,
@@ -169,12 +170,13 @@ def export_command(batch_id: int, fmt: str, output: str | None) -> None:
 
     \b
     Examples:
-      polspec results export 3 --format csv --output wyniki.csv
+      polspec results export 3 --output wyniki.csv
       polspec results export 3 > wyniki.jsonl
     """
     from polspec.store.migrate import upgraded_database
     from polspec.store.queries import EXPORT_COLUMNS, item_rows, require_batch
 
+    fmt = output_format(ctx, fmt, output)
     counts = {"items": 0, "unfinished": 0}
 
     def counted(rows):

@@ -74,6 +74,14 @@ def chat_mode(target: ModelEntry, chat: bool | None) -> bool:
     return target.chat_template if chat is None else chat
 
 
+def check_draft_template(target: ModelEntry, draft: ModelEntry | None, chat: bool, raw_option: str = "--raw") -> None:
+    """Refuse chat mode with a draft that has no chat template, before either model loads
+    (``raw_option``: how the user asks for raw text where the check is made)."""
+    if chat and draft is not None and not draft.chat_template:
+        raise PolspecError(f"draft {draft.alias} has no chat template but {target.alias} runs in chat mode: "
+                           f"add {raw_option}, or choose a draft with a chat template")
+
+
 def encode_prompt(model: LoadedModel, prompt: Prompt, chat: bool) -> list[int]:
     """The model's own prompt ids: its chat template applied to the messages, or the raw text.
 

@@ -20,7 +20,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from polspec.decoding.params import DecodingParams
-from polspec.decoding.prompts import chat_mode, check_messages, check_prompt, check_text, encode_with, too_long
+from polspec.decoding.prompts import (
+    chat_mode, check_draft_template, check_messages, check_prompt, check_text, encode_with, too_long,
+)
 from polspec.errors import PolspecError, past_parser_limits
 from polspec.models.registry import load_registry
 
@@ -89,9 +91,7 @@ def check_models(spec: GenerateSpec, items: list[ItemInput], raw_option: str = "
         reason = f"{raw_option} asks for raw text" if spec.chat is False else f"{target.alias} has no chat template"
         raise PolspecError(f"{with_messages.where or spec.source}: item {with_messages.key!r} has messages, "
                            f"but {reason}; give it a 'prompt'")
-    if chat and draft is not None and not draft.chat_template:
-        raise PolspecError(f"draft {draft.alias} has no chat template but {target.alias} runs in chat mode: "
-                           f"add {raw_option}, or choose a draft with a chat template")
+    check_draft_template(target, draft, chat, raw_option)
 
 
 # Tokens a chat template may add around the messages, for the cheap test below: the registry's
@@ -162,7 +162,10 @@ def _json_lines(lines: Iterable[bytes], source: str) -> Iterator[tuple[str, str,
         except RepeatedKey as error:
             raise PolspecError(f"{where}: {error}") from None
         except json.JSONDecodeError as error:
-            raise PolspecError(f"{where}: malformed JSON: {error.msg} at column {error.colno}") from None
+            # A value cut at the line's end is most often a JSON file written over several lines
+            cut = ("; the line ends inside a JSON value, and each line must hold one whole JSON object (JSON Lines)"
+                   if error.pos >= len(line.rstrip()) else "")
+            raise PolspecError(f"{where}: malformed JSON: {error.msg} at column {error.colno}{cut}") from None
         except (ValueError, RecursionError) as error:
             raise past_parser_limits(where, error) from None
         yield where, f"line {number}", value
