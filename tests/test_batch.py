@@ -95,17 +95,24 @@ def test_batched_speculative_with_a_sliding_window_draft_and_every_policy(smollm
 
 
 def test_the_confidence_policy_drafts_no_step_past_what_every_row_proposes(gemma3, smollm2, single, monkeypatch):
-    """A row sure of every token stops at its k (2); a row unsure of every token stops after its
-    first. The batch drafts two steps a round, not up to the second row's k (8), and both rows
-    decode what the target alone does."""
-    steps = []
-    draft_step = batch_module._draft_step
+    """A row sure of its tokens stops at its k (2); a row unsure of them stops after its first.
+    Each round the batch drafts as many steps as its longest proposal (it drafted up to the
+    second row's k, 8, while the first stayed sure), and both rows decode what the target alone does."""
+    steps, rounds = [], []
+    draft_step, propose = batch_module._draft_step, BatchDecoder._propose
 
     def counted(heads, features, sequences, step, ks, confidence_needed):
         steps.append(step)
         return draft_step(heads, features, sequences, step, ks, confidence_needed)
 
+    def recorded(self, ks, floors):
+        before = len(steps)
+        proposals = propose(self, ks, floors)
+        rounds.append((len(steps) - before, max(map(len, proposals))))
+        return proposals
+
     monkeypatch.setattr(batch_module, "_draft_step", counted)
+    monkeypatch.setattr(BatchDecoder, "_propose", recorded)
     requests = [(PROMPTS[index], DecodingParams(max_tokens=max_tokens(index), k="confidence", k_max=k_max,
                                                  confidence=confidence))
                 for index, k_max, confidence in [(0, 2, 0.001), (1, 8, 0.999)]]
@@ -113,7 +120,7 @@ def test_the_confidence_policy_drafts_no_step_past_what_every_row_proposes(gemma
     for event in stream_batch(gemma3, smollm2, requests, max_batch=2, chat=False):
         if event.commit is not None:
             tokens[event.key] += event.commit.tokens
-    assert steps and max(steps) <= 1
+    assert rounds and all(drafted == longest for drafted, longest in rounds), rounds
     assert_lossless(gemma3, single, tokens)
 
 

@@ -227,6 +227,8 @@ BAD_LINES = [
     ('{', "p.jsonl:2: malformed JSON: Expecting property name enclosed in double quotes at column 2; the line ends "
           "inside a JSON value, and each line must hold one whole JSON object (JSON Lines)\n"),  # pretty-printed JSON
     ('{"id": "a" "prompt": "x"}', "p.jsonl:2: malformed JSON: Expecting ',' delimiter at column 12\n"),
+    ('{"id": "a", "prompt": "Ala ma', "p.jsonl:2: malformed JSON: Unterminated string starting at column 23; the line "
+                                     "ends inside a JSON value, and each line must hold one whole JSON object"),
     ('{"id": "a"}', "p.jsonl:2: give exactly one of 'prompt' or 'messages'"),
     ('{"id": "a", "prompt": "   "}', "p.jsonl:2: the prompt is empty"),
     ('{"id": "a", "promt": "x"}', "p.jsonl:2: unknown key 'promt'"),

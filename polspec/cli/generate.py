@@ -83,8 +83,8 @@ def generate(ctx: click.Context, prompt: str, target: str, draft: str, raw: bool
     check_draft_template(target_entry, None if draft == "none" else registry.model(draft), chat_mode(target_entry, chat))
     note_if_the_draft_is_the_target(target, draft)
     note_options_without_effect(ctx, draft, sampling=params.temperature > 0, strategies={params.strategy})
-    target_model = load_model(target, registry)
-    draft_model = None if draft == "none" else load_model(draft, registry)
+    target_model = load_model(target)
+    draft_model = None if draft == "none" else load_model(draft)
     if draft_model is not None and params.k == "auto" and load_probe(target, draft) is None:
         click.echo(f"k=auto: measuring what a round costs for {target} with {draft} on this machine, once "
                    "(a minute or two; `polspec models probe` does it ahead of time)", err=True)

@@ -213,8 +213,7 @@ def probe(target: str, draft: str, repeats: int, as_json: bool) -> None:
     registry.model(target)  # both aliases before either model loads: a mistyped draft is told at once
     registry.model(draft)
     with progress_bar("loading") as report:
-        target_model = load_model(target, registry, progress=report)
-        draft_model = load_model(draft, registry, progress=report)
+        target_model, draft_model = load_model(target, progress=report), load_model(draft, progress=report)
     with progress_bar("measuring") as report:
         stages = itertools.count()
         result = measure_probe(target_model, draft_model, repeats=repeats,

@@ -53,7 +53,7 @@ def an_output_file(ctx: click.Context, param: click.Parameter, value):
     if database is not None:
         path = Path(value)
         for own in (database, *(database.with_name(database.name + end) for end in ("-wal", "-shm", "-journal"))):
-            if path.resolve() == own.resolve() or (path.exists() and own.exists() and path.samefile(own)):
+            if path.resolve() == own.resolve():  # a symbolic link is written through; a hard link is replaced
                 raise click.BadParameter(f"{value} is a file of polspec's database {database}; write to another file")
     return value
 

@@ -461,11 +461,13 @@ def _stops(confidences: list[mx.array], deciding: list[int], thresholds: mx.arra
            ks: mx.array) -> mx.array:
     """For each deciding row (``deciding``, with its ``thresholds``, first counted step and k)
     and each draft step so far, whether the row stops at that step's token: the token is below
-    the row's threshold, past its floor and within its k. One comparison, in float32, for the
-    loop's early stop and for the proposal's cut."""
+    the row's threshold, past its floor and within its k. One comparison for the loop's early
+    stop and for the proposal's cut, in the draft's own dtype, as the single-sequence decoder
+    compares (a threshold rounds to it: bfloat16's 0.9 is 0.8984375)."""
     so_far = mx.stack(confidences, axis=1)[mx.array(deciding)]
     step = mx.arange(so_far.shape[1])[None, :]
-    return (so_far < thresholds[:, None]) & (step >= counted_from[:, None]) & (step < ks[:, None])
+    below = so_far < thresholds.astype(so_far.dtype)[:, None]
+    return below & (step >= counted_from[:, None]) & (step < ks[:, None])
 
 
 def _floor(sequence: _Sequence, k: int) -> int:

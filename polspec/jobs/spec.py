@@ -164,8 +164,9 @@ def _json_lines(lines: Iterable[bytes], source: str) -> Iterator[tuple[str, str,
         except json.JSONDecodeError as error:
             # A value cut at the line's end is most often a JSON file written over several lines
             cut = ("; the line ends inside a JSON value, and each line must hold one whole JSON object (JSON Lines)"
-                   if error.pos >= len(line.rstrip()) else "")
-            raise PolspecError(f"{where}: malformed JSON: {error.msg} at column {error.colno}{cut}") from None
+                   if error.pos >= len(line.rstrip()) or error.msg.startswith("Unterminated string") else "")
+            message = error.msg.removesuffix(" at")  # "Unterminated string starting at" at column N
+            raise PolspecError(f"{where}: malformed JSON: {message} at column {error.colno}{cut}") from None
         except (ValueError, RecursionError) as error:
             raise past_parser_limits(where, error) from None
         yield where, f"line {number}", value
