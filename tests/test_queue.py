@@ -564,6 +564,22 @@ def test_demo_runs_the_main_job_with_a_private_redis(home_with_models, tmp_path,
                             (2, "wiki-001", "done", 1.0), (2, "wiki-002", "done", 1.0)]
 
 
+def test_the_demo_refuses_a_queue_that_holds_other_jobs(sqlite_env, isolated_home):
+    """Its burst workers take every job on gemma3-270m's queue: on the user's Redis, hours of
+    someone's work before its own. Refused before anything is fetched or queued."""
+    code, output = cli(sqlite_env, "enqueue", "generate", "--dataset", "pl-short", "--limit", "2")
+    assert code == 0, output
+    code, output = cli(sqlite_env, "demo", "--limit", "1")
+    assert code == 1 and output == (
+        f"polspec: error: the polspec-gemma3-270m queue at {sqlite_env['POLSPEC_REDIS_URL']} holds 2 job(s) already, "
+        "which the demo's workers would run before its own: run the demo when it is empty, or on another Redis "
+        "database (POLSPEC_REDIS_URL=redis://127.0.0.1:6379/1)\n")
+    queue = Queue(queue_name("gemma3-270m"), connection=redis.Redis.from_url(sqlite_env["POLSPEC_REDIS_URL"]))
+    assert queue.count == 2 and not (isolated_home / "models").exists()
+    code, output = cli(sqlite_env, "status", "--json")
+    assert code == 0 and len(output.splitlines()) == 1
+
+
 class ClockMeter:
     """A stand-in for a power meter where none can be read (this machine has none): 10 W."""
 

@@ -21,7 +21,8 @@ def demo(limit: int, max_tokens: int, batch: int) -> None:
     time (what a plain generate loop does). Runs both, prints the aggregate tokens/s of each,
     measured side by side in this run with model loading included, then the bulk job's
     results and where the database is. Starts a private redis-server when none is reachable
-    at POLSPEC_REDIS_URL, and stops it afterwards.
+    at POLSPEC_REDIS_URL, and stops it afterwards. Refuses a running Redis whose gemma3-270m
+    queue already holds jobs: the demo's workers would run them before its own.
     """
     from polspec.cli.progress import batch_bar, progress_bar
     from polspec.cli.results import list_command
@@ -37,15 +38,16 @@ def demo(limit: int, max_tokens: int, batch: int) -> None:
     from polspec.store.queries import batch_progress, item_rows
     from polspec.worker.run import WorkerOptions, run_worker
 
-    with progress_bar(f"fetching {DEMO_TARGET}") as report:
-        fetch_model(load_registry().model(DEMO_TARGET), report)
-    ensure_schema()
     params = DecodingParams(max_tokens=max_tokens)
     prompts = load_dataset(DEMO_DATASET, params, limit)
     runs = {}
     with redis_available() as started:
         if started:
             click.echo("no Redis was running: started a private redis-server for this demo", err=True)
+        _check_the_queue(started)
+        with progress_bar(f"fetching {DEMO_TARGET}") as report:
+            fetch_model(load_registry().model(DEMO_TARGET), report)
+        ensure_schema()
         for size, name in ((batch, f"batched, {batch} at a time"), (1, "one at a time")):
             spec = GenerateSpec(DEMO_TARGET, None, params, None, f"dataset:{DEMO_DATASET}")
             queued = enqueue_generate(spec, prompts)
@@ -77,3 +79,20 @@ def demo(limit: int, max_tokens: int, batch: int) -> None:
                           ("polspec status", "every batch"),
                           ("polspec generate --help", "speculative decoding")):
         click.echo(f"  {command:<62} # {what}")
+
+
+def _check_the_queue(private: bool) -> None:
+    """The demo's workers take every job on the target's queue. On the user's Redis those may be
+    anyone's, hours of them: refused. On the demo's private one they are an interrupted demo's,
+    which this run finishes first: said."""
+    from polspec.errors import PolspecError
+    from polspec.jobs.queue import connect, display_redis_url, make_queue, queue_name
+    from polspec.settings import redis_url
+
+    waiting = make_queue(connect(), queue_name(DEMO_TARGET)).count
+    if waiting and private:
+        click.echo(f"note: {waiting} job(s) of an earlier demo are still queued: its workers run them first", err=True)
+    elif waiting:
+        raise PolspecError(f"the {queue_name(DEMO_TARGET)} queue at {display_redis_url(redis_url())} holds {waiting} "
+                           "job(s) already, which the demo's workers would run before its own: run the demo when "
+                           "it is empty, or on another Redis database (POLSPEC_REDIS_URL=redis://127.0.0.1:6379/1)")
