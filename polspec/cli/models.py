@@ -86,12 +86,11 @@ def fetch(aliases: tuple[str, ...]) -> None:
 
     registry = load_registry()
     # Every alias looked up before the first download: a typo in the last is told at once.
-    entries = [registry.tokenizer(alias) if alias in registry.tokenizers else registry.model(alias)
-               for alias in aliases]
-    for alias, entry in zip(aliases, entries):
+    fetches = [(fetch_tokenizer_file, registry.tokenizer(alias)) if alias in registry.tokenizers
+               else (fetch_model, registry.model(alias)) for alias in aliases]
+    for alias, (fetch_files, entry) in zip(aliases, fetches):
         with progress_bar(alias) as report:
-            path = (fetch_tokenizer_file(entry, report) if alias in registry.tokenizers
-                    else fetch_model(entry, report))
+            path = fetch_files(entry, report)
         click.echo(f"{alias}: {path}")
 
 
