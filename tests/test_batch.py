@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import mlx.core as mx
 import pytest
 
 from polspec.decoding import DecodingParams, batch_kv, generate
@@ -15,6 +16,7 @@ from polspec.decoding.costmodel import BatchCost, Probe
 from polspec.decoding.run import encode_prompt
 from polspec.decoding.translate import STRATEGIES
 from polspec.errors import PolspecError
+from polspec.models.loader import load_model
 
 from decoding_checks import (
     OPEN_PROMPT, assert_same_or_float_tie, chi_square_critical, goodness_of_fit, sampled_sequences, two_token_bins,
@@ -121,6 +123,36 @@ def test_the_confidence_policy_drafts_no_step_past_what_every_row_proposes(gemma
         if event.commit is not None:
             tokens[event.key] += event.commit.tokens
     assert rounds and all(drafted == longest for drafted, longest in rounds), rounds
+    assert_lossless(gemma3, single, tokens)
+
+
+def test_a_half_precision_draft_keeps_its_dtype_for_the_confidence_cut_through_several_heads(gemma3, single,
+                                                                                              monkeypatch):
+    """Rows drafting through different output layers (the full vocabulary and a pruned one) of a
+    bfloat16 draft: each step's confidences stay bfloat16, the dtype the cut compares a row's
+    threshold in, as the single-sequence decoder does (they were gathered into float32, where
+    bfloat16's 0.8984375 is below a threshold of 0.9), and both rows decode what the target
+    alone does."""
+    draft = load_model("smollm2-135m")
+    draft.model.set_dtype(mx.bfloat16)
+    seen = set()  # (heads, dtype of the confidences) of each draft step
+    draft_step = batch_module._draft_step
+
+    def recorded(heads, features, sequences, step, ks, confidence_needed):
+        token, confidence = draft_step(heads, features, sequences, step, ks, confidence_needed)
+        if confidence_needed:
+            seen.add((len(heads), confidence.dtype))
+        return token, confidence
+
+    monkeypatch.setattr(batch_module, "_draft_step", recorded)
+    requests = [(PROMPTS[index], DecodingParams(max_tokens=max_tokens(index), k="confidence", confidence=0.9,
+                                                draft_vocab=vocabulary))
+                for index, vocabulary in [(0, "full"), (1, 8192)]]
+    tokens: dict[int, list[int]] = {0: [], 1: []}
+    for event in stream_batch(gemma3, draft, requests, max_batch=2, chat=False):
+        if event.commit is not None:
+            tokens[event.key] += event.commit.tokens
+    assert (2, mx.bfloat16) in seen and {dtype for _, dtype in seen} == {mx.bfloat16}, seen
     assert_lossless(gemma3, single, tokens)
 
 

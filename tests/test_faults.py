@@ -174,7 +174,7 @@ def test_cancel_stops_a_running_item_between_rounds(env):
     worker = start_worker(env, "--burst", "--batch", "1")
     wait_for(lambda: statuses(env).get("running") == 1, 120, "an item to start")
     result = CliRunner().invoke(main, ["cancel", str(batch)], env=env)
-    assert result.exit_code == 0 and "1 queued items dropped" in result.output
+    assert result.exit_code == 0 and "1 queued item dropped" in result.output
     finish(worker, timeout=120)
     assert statuses(env) == {"cancelled": 2}  # stopped mid-item (200 tokens), no result written
     engine = make_engine(env["POLSPEC_DB_URL"])

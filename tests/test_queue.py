@@ -160,7 +160,7 @@ def test_failed_items_keep_their_reason_and_retry_runs_them_again(env, tmp_path)
     assert [json.loads(line)["id"] for line in output.splitlines()] == ["too-long"]
 
     code, output = cli(env, "retry", str(batch), "--failed")
-    assert code == 0 and "1 failed items queued again" in output
+    assert code == 0 and "1 failed item queued again" in output
     work(env)
     again = results_by_key(env)["too-long"][0]
     assert again.status == "failed" and again.attempts == 2
@@ -262,7 +262,8 @@ def test_recover_leaves_an_item_claimed_after_it_read_it(env):
 def test_an_item_whose_worker_stopped_on_every_try_fails_instead_of_running_again(env):
     """A prompt that gets its worker killed (out of memory) is tried three times, as one whose
     error repeats is: recover used to requeue it for ever, taking worker after worker down. An
-    item retried after ordinary errors whose worker then stopped once runs again."""
+    item retried after ordinary errors whose worker then stopped once runs again; so does the
+    failed one after polspec retry (which gave it one try, not three)."""
     cli(env, "enqueue", "generate", "--dataset", "pl-short", "--limit", "2", "--target", "smollm2-135m")
     engine = make_engine(env["POLSPEC_DB_URL"])
     connection = redis.Redis.from_url(env["POLSPEC_REDIS_URL"])
@@ -288,6 +289,34 @@ def test_an_item_whose_worker_stopped_on_every_try_fails_instead_of_running_agai
         assert (failed.status, failed.stops, failed.last_error) == \
             ("failed", 3, "its worker stopped while running it, 3 times (killed for memory?)")
         assert failed.batch.status == "running" and failed.finished_at is not None
+        batch_id = failed.batch_id
+    assert cli(env, "retry", str(batch_id), "--failed") == (0, f"batch {batch_id}: 1 failed item queued again\n")
+    claim_item(engine, killing, killed_worker)  # retried, it has its three tries again: a stop requeues it
+    assert recover(engine, connection).reasons == {"worker gone": 1}
+    engine.dispose()
+
+
+def test_recover_marks_cancelled_a_running_item_of_a_cancelled_batch_whose_worker_stopped(env):
+    """A worker killed mid-item, then polspec cancel: the item read running for ever (cancel
+    drops queued items only, and recover left cancelled batches alone); now it is cancelled,
+    and retry --cancelled runs it again with the rest."""
+    cli(env, "enqueue", "generate", "--dataset", "pl-short", "--limit", "2", "--target", "smollm2-135m")
+    engine = make_engine(env["POLSPEC_DB_URL"])
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    running, _ = sorted(item.id for item, _ in results_by_key(env).values())
+    claim_item(engine, running, Worker(this_host(), gone.pid))
+    with session_scope(engine) as session:
+        batch_id = session.get(Item, running).batch_id
+    assert cli(env, "cancel", str(batch_id)) == (0, f"batch {batch_id} cancelled (1 queued item dropped)\n")
+    assert cli(env, "recover") == (0, "marked 1 item of cancelled batches cancelled, whose worker stopped while "
+                                      "running it\n")
+    with session_scope(engine) as session:
+        item = session.get(Item, running)
+        assert (item.status, item.stops, item.batch.status) == ("cancelled", 1, "cancelled")
+        assert item.finished_at is not None
+    assert cli(env, "recover") == (0, "nothing to recover: every unfinished item has a job\n")
+    assert cli(env, "retry", str(batch_id), "--cancelled") == (0, f"batch {batch_id}: 2 cancelled items queued again\n")
     engine.dispose()
 
 

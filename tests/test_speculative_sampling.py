@@ -15,9 +15,10 @@ from mlx_lm.sample_utils import apply_top_p
 
 from polspec.decoding import DecodingParams, generate, sampling
 from polspec.decoding.batch import stream_batch
-from polspec.decoding.sampling import NUCLEUS_BOUND, draw_in_proportion, nucleus, sampling_probabilities
+from polspec.decoding.sampling import NUCLEUS_BOUND, draw_in_proportion, fine_uniform, nucleus, sampling_probabilities
 from polspec.decoding.draft_vocab import draft_head
-from polspec.decoding.speculative_sampling import SharedDraft, _byte_twins, shared_vocabulary, speculative_choices
+from polspec.decoding.speculative_sampling import (SharedDraft, _byte_twins, accept_in_proportion, shared_vocabulary,
+                                                   speculative_choices)
 
 from decoding_checks import OPEN_PROMPT, chi_square_critical, goodness_of_fit, sampled_sequences, two_token_bins
 
@@ -145,6 +146,36 @@ def test_speculative_choices_commit_exactly_the_target_distribution(temperature,
 
     statistic, df = first_token_fit(drafted, p)
     assert statistic > chi_square_critical(df), "the check cannot tell the draft's distribution from the target's"
+
+
+def test_acceptance_resolves_chances_finer_than_float32():
+    """A candidate is accepted exactly where the 46-bit uniform number times q falls below p: a
+    p 1e-12 above or below that product decides it (MLX's float32 uniform numbers would not)."""
+    key = mx.random.key(3)
+    threshold = np.array(fine_uniform((DRAWS,), key)) * 0.25
+    for scale, accepted in ((1 + 1e-12, True), (1 - 1e-12, False)):
+        decided = np.array(accept_in_proportion(mx.array(threshold * scale, dtype=mx.float64),
+                                                mx.full((DRAWS,), 0.25), key))
+        assert (decided == accepted).all(), (scale, decided.mean())
+
+
+def test_a_rejection_that_leaves_no_residual_draws_from_p():
+    """A q at least p everywhere (rounding can make p and q so) leaves max(0, p - q) empty; a
+    rejected candidate is then replaced by a draw from p, not by the last token, which p can
+    rule out. Here q puts twice p's mass on token 0: choices follow half token 0, half p."""
+    params = DecodingParams(temperature=1.0, top_k=3)
+    target_logits = mx.array([[1.0, 0.9, 0.8, 0.4, 0.0, -3.0]])
+    p = np.array(sampling_probabilities(target_logits, params)[0], dtype=np.float64)
+    assert p[-1] == 0
+    q = p.copy()
+    q[0] *= 2
+    draft_probabilities = mx.repeat(mx.array(q[None], dtype=mx.float32), DRAWS, axis=0)
+    choices = np.array(speculative_choices(mx.repeat(target_logits, DRAWS + 1, axis=0), [0] * DRAWS,
+                                           draft_probabilities, params, seed=2, position=0))[:DRAWS]
+    expected = 0.5 * p + 0.5 * np.eye(len(p))[0]
+    statistic, df = first_token_fit(choices, expected)
+    assert statistic < chi_square_critical(df), (statistic, np.bincount(choices, minlength=len(p)), expected)
+    assert p[choices].min() > 0
 
 
 def test_draws_depend_on_seed_and_position_only():

@@ -46,7 +46,7 @@ def recover(batch_id: int | None) -> None:
         if batch_id is not None:
             require_batch(engine, batch_id)  # an unknown batch is an error, not "nothing to recover"
         report = recover_items(engine, connection, batch_id)
-    if not report.total and not report.failed:
+    if not report.changed:
         click.echo("nothing to recover: every unfinished item has a job")
         return
     click.echo(report.describe() + ("; run polspec worker to finish them" if report.total else ""))
@@ -70,7 +70,7 @@ def cancel(batch_id: int) -> None:
     if already and not count:
         click.echo(f"batch {batch_id} was cancelled already; polspec retry {batch_id} --cancelled resumes it")
         return
-    click.echo(f"batch {batch_id} cancelled ({count} queued items dropped)")
+    click.echo(f"batch {batch_id} cancelled ({count} queued {'item' if count == 1 else 'items'} dropped)")
 
 
 @click.command()
@@ -97,4 +97,5 @@ def retry(batch_id: int, failed: bool, cancelled: bool) -> None:
     which = " or ".join(status.value for status in statuses)
     with _connections() as (engine, connection):
         count = retry_items(engine, connection, batch_id, statuses)
-    click.echo(f"batch {batch_id}: {count} {which} items queued again" if count else f"batch {batch_id} has no {which} items")
+    click.echo(f"batch {batch_id}: {count} {which} {'item' if count == 1 else 'items'} queued again" if count
+               else f"batch {batch_id} has no {which} items")

@@ -67,7 +67,7 @@ def worker(batch: int | None, burst: bool, queues: tuple[str, ...], log_level: s
     from polspec.worker.run import WorkerOptions, run_worker
 
     def started(requeued: Requeued, names: list[str]) -> None:
-        if requeued.total or requeued.failed:
+        if requeued.changed:
             click.echo(requeued.describe(), err=True)
         shown = names if len(names) <= 4 else [*names[:3], f"and {len(names) - 3} more"]
         click.echo(f"serving {', '.join(shown)}" + (" until empty" if burst else ""), err=True)

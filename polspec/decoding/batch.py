@@ -434,7 +434,7 @@ def _draft_step(heads: dict[DraftHead, list[int]], features: mx.array, sequences
     samples over its shared vocabulary in the steps it proposes from (keeping what it drew
     from in its ``probabilities``)."""
     size = len(sequences)
-    token, confidence = mx.zeros(size, mx.int32), mx.zeros(size)
+    token, confidence = mx.zeros(size, mx.int32), None
     for head, rows in heads.items():
         logits = head.logits(features if len(rows) == size else features[mx.array(rows)])
         index = mx.argmax(logits, axis=-1)
@@ -452,6 +452,8 @@ def _draft_step(heads: dict[DraftHead, list[int]], features: mx.array, sequences
                 else mx.zeros(len(rows)))
         if len(rows) == size:
             return chosen, sure
+        if confidence is None:  # in the draft's dtype, which _stops compares in
+            confidence = mx.zeros(size, sure.dtype)
         token[mx.array(rows)] = chosen
         confidence[mx.array(rows)] = sure
     return token, confidence

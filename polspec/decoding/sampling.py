@@ -59,23 +59,28 @@ def draw_in_proportion(weights: mx.array, key: mx.array) -> mx.array:
     """An index into the last axis of ``weights`` (non-negative, unnormalized), drawn with
     probability proportional to its weight, for each row, lazily. Inverse CDF: one uniform
     number a row where a categorical draw takes Gumbel noise and two logs over the whole
-    vocabulary. A zero weight is never drawn, but in a row of zeros (p = q: every candidate is
-    accepted, so its draw is never used), which gives the last index.
+    vocabulary. A zero weight is never drawn, but in a row of zeros, which gives the last index.
 
-    In float64, on the CPU (MLX has no float64 on GPUs), with a uniform number of about 46 bits
-    made of two float32 ones (MLX's are not spaced quite evenly: a share of 2**-23 may be off by
-    about 2**-25): a float32 running sum stops growing at weights below about 3e-8 of the total
+    In float64, on the CPU (MLX has no float64 on GPUs), with a :func:`fine_uniform` number
+    (MLX's float32 ones are not spaced quite evenly: a share of 2**-23 may be off by about
+    2**-25): a float32 running sum stops growing at weights below about 3e-8 of the total
     once it passes half of it, and a float32 uniform number has 24 bits, so most of a large
     vocabulary could never be drawn (up to 1e-3 of Gemma-3's next-token mass at temperature 1)."""
     with mx.stream(mx.cpu):
         cumulative = mx.cumsum(weights.astype(mx.float64), axis=-1)
         total = cumulative[..., -1:]
-        coarse, fine = mx.random.uniform(shape=(2, *total.shape), key=key).astype(mx.float64)
-        uniform = (mx.floor(coarse * 2**23) + fine) * 2**-23
         # Strictly below the total, or rounding of uniform * total could reach it and draw the
         # last index whatever its weight.
-        threshold = mx.minimum(uniform * total, total * (1 - 2**-52))
+        threshold = mx.minimum(fine_uniform(total.shape, key) * total, total * (1 - 2**-52))
         return mx.minimum((cumulative <= threshold).sum(axis=-1), weights.shape[-1] - 1)
+
+
+def fine_uniform(shape: tuple[int, ...], key: mx.array) -> mx.array:
+    """Uniform numbers in [0, 1) of about 46 bits, float64 on the CPU, made of two float32 ones
+    (whose 24 bits cannot tell a chance below 2**-24 from 0, nor two chances 2**-24 apart)."""
+    with mx.stream(mx.cpu):
+        coarse, fine = mx.random.uniform(shape=(2, *shape), key=key).astype(mx.float64)
+        return (mx.floor(coarse * 2**23) + fine) * 2**-23
 
 
 # How many of the most likely tokens :func:`nucleus` sorts before it falls back to sorting the

@@ -44,7 +44,7 @@ import numpy as np
 from polspec.decoding.draft_head import DraftHead, vocabulary_size
 from polspec.decoding.draft_vocab import draft_head, polish_token_weights
 from polspec.decoding.params import DecodingParams
-from polspec.decoding.sampling import draw_in_proportion, position_key, sampling_probabilities
+from polspec.decoding.sampling import draw_in_proportion, fine_uniform, position_key, sampling_probabilities
 from polspec.decoding.translate import TokenBytes, encode_after, token_bytes
 from polspec.models.loader import LoadedModel
 
@@ -275,6 +275,14 @@ def polish_coverage(target: LoadedModel, draft: LoadedModel, draft_vocab: int | 
     return sum(w for token, w in weights.items() if token in proposable) / sum(weights.values())
 
 
+def accept_in_proportion(p: mx.array, q: mx.array, key: mx.array) -> mx.array:
+    """True with probability ``min(1, p / q)``, elementwise: a :func:`~polspec.decoding.sampling.fine_uniform`
+    number times ``q`` below ``p``, in float64. MLX's float32 uniform numbers resolve a chance only
+    to about 1e-7 (none of 2**25 fell below 1.0e-7), so a ``p / q`` below that was never accepted."""
+    with mx.stream(mx.cpu):
+        return fine_uniform(p.shape, key) * q.astype(mx.float64) < p.astype(mx.float64)
+
+
 def speculative_choices(logits: mx.array, candidates: list[int], draft_probabilities: mx.array | None,
                         params: DecodingParams, seed: int, position: int) -> mx.array:
     """The target's token at each position of a round under speculative sampling, lazily.
@@ -282,10 +290,11 @@ def speculative_choices(logits: mx.array, candidates: list[int], draft_probabili
     ``logits`` [m + 1, vocabulary] are the target's over the pending token and the ``m``
     candidates, ``draft_probabilities`` [m, vocabulary] the ``q`` each candidate was drawn
     from (in target ids; None when m = 0), ``position`` the tokens committed before the round.
-    Choice i is candidate i where the target accepts it (a uniform draw below p/q), else a
-    draw from the residual max(0, p - q); the last is a draw from p. Exact-match settling of
-    these choices (:func:`~polspec.decoding.speculative.settle_round`) then commits the
-    accepted run and the first replacement: speculative sampling.
+    Choice i is candidate i where the target accepts it (:func:`accept_in_proportion`), else a
+    draw from the residual max(0, p - q) (from p where rounding leaves no residual); the last
+    is a draw from p. Exact-match settling of these choices
+    (:func:`~polspec.decoding.speculative.settle_round`) then commits the accepted run and the
+    first replacement: speculative sampling.
     """
     probabilities = sampling_probabilities(logits, params)
     accept_key, residual_key, bonus_key = mx.random.split(position_key(seed, position, _ACCEPT), 3)
@@ -295,7 +304,10 @@ def speculative_choices(logits: mx.array, candidates: list[int], draft_probabili
     p = probabilities[:-1]
     proposed = mx.array(candidates)
     rows = mx.arange(len(candidates))
-    accepted = mx.random.uniform(shape=(len(candidates),), key=accept_key) * draft_probabilities[rows, proposed] \
-        < p[rows, proposed]
-    replacement = draw_in_proportion(mx.maximum(p - draft_probabilities, 0.0), residual_key)
+    accepted = accept_in_proportion(p[rows, proposed], draft_probabilities[rows, proposed], accept_key)
+    residual = mx.maximum(p - draft_probabilities, 0.0)
+    # No residual means p = q up to rounding, which may still reject (once in some 1e7 candidates);
+    # the last index, which a row of zeros draws, could be a token p rules out.
+    residual = mx.where(residual.sum(axis=-1, keepdims=True) > 0, residual, p)
+    replacement = draw_in_proportion(residual, residual_key)
     return mx.concatenate([mx.where(accepted, proposed, replacement), bonus])

@@ -13,8 +13,10 @@ re-enqueues those whose job cannot finish on its own:
   by an older polspec, before the job function moved), or was started by a worker that stopped
   before it claimed the item.
 
-Items of cancelled batches are left alone. Re-enqueueing replaces the item's job (the job id is
-deterministic), so running recover twice never delivers an item twice.
+Items of cancelled batches get no job; a running one whose worker is gone is marked cancelled
+(it would read running for ever, and ``polspec retry --cancelled`` resumes it with the rest).
+Re-enqueueing replaces the item's job (the job id is deterministic), so running recover twice
+never delivers an item twice.
 """
 
 from __future__ import annotations
@@ -42,15 +44,22 @@ GONE_EVERY_TIME = f"its worker stopped while running it, {1 + RETRIES} times (ki
 
 @dataclass
 class Requeued:
-    """Items given a fresh job, by the reason they needed one; and running items failed
-    instead, their worker having stopped on every attempt."""
+    """Items given a fresh job, by the reason they needed one; running items failed instead,
+    their worker having stopped on every attempt; and running items of cancelled batches
+    marked cancelled, their worker gone."""
 
     reasons: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     failed: int = 0
+    cancelled: int = 0
 
     @property
     def total(self) -> int:
         return sum(self.reasons.values())
+
+    @property
+    def changed(self) -> bool:
+        """Whether recover changed anything."""
+        return bool(self.total or self.failed or self.cancelled)
 
     def describe(self) -> str:
         """In words: "re-enqueued 4 items (3 job missing, 1 worker gone)", and "failed 2 items
@@ -62,6 +71,9 @@ class Requeued:
         if self.failed:
             said.append(f"failed {_items(self.failed)} whose worker stopped while running "
                         f"{'it' if self.failed == 1 else 'them'}, {1 + RETRIES} times (killed for memory?)")
+        if self.cancelled:
+            said.append(f"marked {_items(self.cancelled)} of cancelled batches cancelled, whose worker stopped "
+                        f"while running {'it' if self.cancelled == 1 else 'them'}")
         return "; ".join(said)
 
 
@@ -77,13 +89,15 @@ def recover(engine: Engine, connection: redis.Redis, batch_id: int | None = None
     # Queued items as three columns, not whole rows: a resumed sweep may have hundreds of
     # thousands, and loading them as objects (prompts, the batch's spec once per item) cost
     # a minute and gigabytes. Running items, a few per worker, are read whole for owner_gone.
-    live = [Batch.status != Status.CANCELLED.value] + ([Item.batch_id == batch_id] if batch_id is not None else [])
+    batch_only = [Item.batch_id == batch_id] if batch_id is not None else []
+    cancelled = Batch.status == Status.CANCELLED.value
     with session_scope(engine) as session:
         now = database_now(session)
         queued = session.execute(select(Item.id, Item.batch_id, max_tokens()).join(Batch)
-                                 .where(Item.status == Status.QUEUED.value, *live).order_by(Item.id)).all()
-        running = session.scalars(select(Item).join(Batch).where(Item.status == Status.RUNNING.value, *live)
-                                  .order_by(Item.id)).all()
+                                 .where(Item.status == Status.QUEUED.value, ~cancelled, *batch_only)
+                                 .order_by(Item.id)).all()
+        running = session.execute(select(Item, cancelled).join(Batch)
+                                  .where(Item.status == Status.RUNNING.value, *batch_only).order_by(Item.id)).all()
         # Every batch's, cancelled ones too: on PostgreSQL each read sees what was committed
         # before it, and a batch cancelled since the items were read is still theirs (a worker
         # skips their jobs).
@@ -95,10 +109,12 @@ def recover(engine: Engine, connection: redis.Redis, batch_id: int | None = None
     waiting_ids: dict[str, set[str]] = {}
     report = Requeued()
     to_enqueue: dict[str, list[tuple[int, int]]] = defaultdict(list)
-    for item in running:
+    for item, of_cancelled_batch in running:
         if not owner_gone(item, me, now, lease_s):
             continue
-        if item.stops + 1 >= 1 + RETRIES:  # it stopped on every try, this one included
+        if of_cancelled_batch:
+            report.cancelled += _cancel_abandoned(engine, item)
+        elif item.stops + 1 >= 1 + RETRIES:  # it stopped on every try, this one included
             report.failed += _fail_abandoned(engine, item)
         elif _requeue_abandoned(engine, item):
             report.reasons["worker gone"] += 1
@@ -172,6 +188,17 @@ def _fail_abandoned(engine: Engine, item: Item) -> bool:
         if failed:
             settle_batch(session, session.get(Batch, item.batch_id))
         return failed
+
+
+def _cancel_abandoned(engine: Engine, item: Item) -> bool:
+    """Mark an abandoned running item of a cancelled batch cancelled, on the terms of
+    :func:`_requeue_abandoned` and while the batch stays cancelled; True if this call did."""
+    with session_scope(engine) as session:
+        still_cancelled = select(Batch.id).where(Batch.id == item.batch_id, Batch.status == Status.CANCELLED.value)
+        return session.execute(
+            update(Item).where(*_unchanged_since_read(item), Item.batch_id.in_(still_cancelled))
+            .values(status=Status.CANCELLED.value, stops=Item.stops + 1, last_error="worker stopped while running it",
+                    finished_at=database_now(session))).rowcount == 1
 
 
 def _unchanged_since_read(item: Item) -> tuple:

@@ -271,12 +271,14 @@ def max_tokens() -> ColumnElement[int]:
 
 
 def reopen_items(session: Session, batch: Batch, statuses: tuple[Status, ...]) -> list[tuple[int, int]]:
-    """Mark a batch's items of these statuses queued again, reopening the batch (cancelled or
-    finished) when there are any; returns them as (item id, max_tokens) for their jobs."""
+    """Mark a batch's items of these statuses queued again, with their count of stopped workers
+    cleared, reopening the batch (cancelled or finished) when there are any; returns them as
+    (item id, max_tokens) for their jobs."""
     chosen = (Item.batch_id == batch.id, Item.status.in_([status.value for status in statuses]))
     rows = session.execute(select(Item.id, max_tokens()).where(*chosen)).all()
     if rows:  # by the condition, not the ids: a sweep's may be more than SQLite takes in one statement
-        session.execute(update(Item).where(*chosen).values(status=Status.QUEUED.value, finished_at=None))
+        # stops from 0: an item failed for stopping its worker on every try gets as many tries again
+        session.execute(update(Item).where(*chosen).values(status=Status.QUEUED.value, finished_at=None, stops=0))
         batch.status = Status.RUNNING.value  # no longer cancelled: settle_batch judges it by its items
         settle_batch(session, batch)
     return [(item_id, tokens) for item_id, tokens in rows]

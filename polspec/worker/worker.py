@@ -226,7 +226,7 @@ class PolspecWorker(SimpleWorker):
         except Exception as error:  # noqa: BLE001
             log.warning("could not recover items left without a job: %s: %s", type(error).__name__, error)
             return
-        if requeued.total or requeued.failed:
+        if requeued.changed:
             log.warning("items left without a job: %s", requeued.describe())
 
     def _wait_for_redis(self) -> None:
