@@ -1,7 +1,9 @@
 """The sampler stack shared by every decoder: greedy, temperature, top-p, top-k.
 
-A sampler owns its random key (from the sequence's seed), so a sequence draws the same
-samples whether it decodes alone or inside a batch with any other sequences.
+A sampler owns its random key (from the sequence's seed), so a sequence with a fixed ``k``
+draws the same samples whether it decodes alone or inside a batch with any other sequences
+(under ``k = auto`` the batch's shared draft length decides where its rounds end, and so which
+draw a position gets; not the distribution).
 """
 
 from __future__ import annotations
