@@ -17,11 +17,13 @@ from polspec.worker import energy
 from polspec.worker.energy import AppleMeter, Measurement, RaplMeter, detect_meter, measure_energy, open_meter
 
 
-def zone(root: Path, name: str, energy: int, wrap: int = 2**32) -> Path:
+def zone(root: Path, name: str, energy: int, wrap: int = 2**32, kind: str | None = None) -> Path:
+    """A powercap zone; ``kind`` is its name file's (default: package-N for intel-rapl:N, core inside one)."""
     path = root / name
     path.mkdir(parents=True)
     (path / "energy_uj").write_text(f"{energy}\n")
     (path / "max_energy_range_uj").write_text(f"{wrap}\n")
+    (path / "name").write_text((kind or ("core" if name.count(":") > 1 else f"package-{name.split(':')[1]}")) + "\n")
     return path
 
 
@@ -34,6 +36,35 @@ def test_rapl_sums_package_zones_and_ignores_sub_zones(tmp_path):
         (package0 / "energy_uj").write_text("7500000\n")
         (package1 / "energy_uj").write_text("1500000\n")
     assert reading.joules == pytest.approx(3.0) and reading.source == "rapl" and reading.unavailable_reason is None
+
+
+def test_rapl_leaves_out_the_platform_zone_which_holds_the_packages(tmp_path):
+    """Intel laptops have a top-level psys zone beside package-0: the whole platform, the package
+    included. Summed with it, the package's energy counted twice (10 + 15 J read 25 J)."""
+    package = zone(tmp_path, "intel-rapl:0", 1_000_000)
+    psys = zone(tmp_path, "intel-rapl:1", 1_000_000, kind="psys")
+    with measure_energy(RaplMeter(tmp_path), "unused") as (reading, _):
+        (package / "energy_uj").write_text("11000000\n")
+        (psys / "energy_uj").write_text("16000000\n")
+    assert (reading.joules, reading.source) == (pytest.approx(10.0), "rapl")
+    shutil.rmtree(package)
+    none, reason = open_meter(tmp_path, device="cpu")  # a platform zone alone is not the CPU package
+    assert none is None and "no RAPL package zones" in reason
+
+
+def test_counters_that_do_not_move_are_no_measurement_not_zero(tmp_path, monkeypatch):
+    """A VM can show powercap files whose counters never change; and a GPU reset sets NVML's
+    counter back. Neither is 0 J, nor a negative figure."""
+    zone(tmp_path, "intel-rapl:0", 1_000_000)
+    with measure_energy(RaplMeter(tmp_path), "unused") as (reading, _):
+        pass
+    assert reading.joules is None and reading.unavailable_reason == "rapl's counters did not move during the window"
+    monkeypatch.setitem(sys.modules, "pynvml", stand_in_nvml([10_000, 9_000_000, 4_000]))
+    gpu, _ = open_meter(tmp_path, device="gpu")
+    with measure_energy(gpu, "unused") as (reading, _):
+        pass
+    assert reading.joules is None and reading.unavailable_reason == (
+        "nvml failed during the window: a GPU's energy counter went back (the GPU or its driver was reset?)")
 
 
 def test_rapl_counter_wraparound_is_added_back(tmp_path):

@@ -2,7 +2,8 @@
 
 - ``apple-silicon``: zeus-apple-silicon (CPU, GPU, ANE and DRAM through IOReport, no sudo);
 - ``nvml``: the NVIDIA driver's cumulative energy counter, summed over GPUs;
-- ``rapl``: Linux RAPL through powercap, summed over the package zones; each counter wraps at
+- ``rapl``: Linux RAPL through powercap, summed over the package zones (not ``psys``, the
+  whole platform's, which holds the packages already); each counter wraps at
   its ``max_energy_range_uj`` (about 262 kJ: 44 minutes at 100 W) and the wrap is added back,
   so a measurement is read at least every :data:`MAX_STRETCH_S`. Usually readable by root only.
 
@@ -26,7 +27,7 @@ POWERCAP = Path("/sys/class/powercap")
 # The longest a meter is left unread while it measures: a stretch of hours would let RAPL's
 # counter wrap more than once, and the joules of each wrap but the last would go uncounted.
 MAX_STRETCH_S = 60.0
-_PACKAGE_ZONE = re.compile(r"intel-rapl:\d+")  # sub-zones (intel-rapl:0:1) are inside their package
+_TOP_ZONE = re.compile(r"intel-rapl:\d+")  # sub-zones (intel-rapl:0:1) are inside their package
 
 
 class Meter(Protocol):
@@ -59,7 +60,10 @@ class RaplMeter:
     name = "rapl"
 
     def __init__(self, powercap: Path = POWERCAP):
-        zones = sorted(path for path in powercap.glob("intel-rapl:*") if _PACKAGE_ZONE.fullmatch(path.name))
+        # Top-level zones are named package-N, or psys on Intel laptops (the platform, packages
+        # included: summing it with them counted the energy twice).
+        zones = sorted(path for path in powercap.glob("intel-rapl:*")
+                       if _TOP_ZONE.fullmatch(path.name) and _zone_name(path).startswith("package"))
         if not zones:
             raise OSError(f"no RAPL package zones under {powercap}")
         self.zones = zones
@@ -96,7 +100,17 @@ class NvmlMeter:
         return [self.nvml.nvmlDeviceGetTotalEnergyConsumption(handle) for handle in self.handles]
 
     def stop(self, started: object) -> float:
-        return sum(after - before for before, after in zip(started, self.start(), strict=True)) / 1e3
+        used = [after - before for before, after in zip(started, self.start(), strict=True)]
+        if min(used) < 0:
+            raise OSError("a GPU's energy counter went back (the GPU or its driver was reset?)")
+        return sum(used) / 1e3
+
+
+def _zone_name(zone: Path) -> str:
+    try:
+        return (zone / "name").read_text().strip()
+    except OSError:
+        return ""
 
 
 class AppleMeter:
@@ -242,4 +256,6 @@ class Measurement:
             return EnergyReading(unavailable_reason=self.failure)
         if not self.stretches:
             return EnergyReading(unavailable_reason="nothing was measured")
+        if self.joules <= 0:  # a machine that computed used energy: the counter is not live
+            return EnergyReading(unavailable_reason=f"{self.meter.name}'s counters did not move during the window")
         return EnergyReading(joules=self.joules, source=self.meter.name)
