@@ -61,7 +61,8 @@ def config(**changes) -> dict:
 
 
 def test_expansion_counts_baselines_and_drift_fair_order():
-    plan = expand_sweep(config(), "test.toml")
+    sampled = config(temperature=0.7, verify="exact")  # each seed draws apart, each strategy translates apart
+    plan = expand_sweep(sampled, "test.toml")
     # per dataset and seed: one baseline plus 1 draft x 3 strategies x 3 k x 1 prefix
     assert len(plan.cells) == 2 * 2 * (1 + 9)
     assert sum(cell.baseline for cell in plan.cells) == 4
@@ -72,9 +73,9 @@ def test_expansion_counts_baselines_and_drift_fair_order():
     assert {item.prompt_key for item in first} == {"short-001"}
     assert [item.repeat for item in plan.items[:40:20]] == [0, 1]  # then the same prompt's second repeat
     assert plan.items[1].item.overrides["k"] == 1 and plan.items[1].item.overrides["strategy"] == "aligned"
-    assert plan.name.startswith("sweep-") and expand_sweep(config(), "x").name == plan.name
+    assert plan.name.startswith("sweep-") and expand_sweep(sampled, "x").name == plan.name
     assert plan.items[1].item.overrides["partial_word"] == "verify"
-    held = expand_sweep(config(partial_word="hold"), "test.toml")
+    held = expand_sweep(config(temperature=0.7, verify="exact", partial_word="hold"), "test.toml")
     assert {item.item.overrides["partial_word"] for item in held.items} == {"hold"}
 
 
@@ -153,6 +154,28 @@ def test_temperatures_and_verify_are_grid_dimensions_and_single_values_keep_the_
     # One listed temperature is a grid of one: its key says so.
     assert [cell.key for cell in expand_sweep(config(**grid, temperatures=[1.0]), "test.toml").cells] == [
         "pl-short/baseline/s0/t1", "pl-short/smollm2-135m/aligned/k2/p5/s0/t1"]
+
+
+def test_grid_points_that_would_decode_alike_get_one_cell():
+    """Greedy decoding draws nothing: a temperature of 0 gets the first seed's cells alone.
+    Speculative sampling (tli) translates nothing: its cells take the first strategy and prefix.
+    2 seeds x 2 temperatures x 2 strategies x 2 prefixes x 2 verifications planned 28 cells a
+    dataset (greedy ones verified one way already), 13 of them decoding what another did."""
+    plan = expand_sweep(config(strategies=["aligned", "naive"], prefix=[5, 3], k=[2], seeds=[0, 1], repeats=None,
+                               temperatures=[0, 0.7], verify=["exact", "auto"],
+                               datasets=[{"name": "pl-short", "limit": 2}]), "test.toml")
+    cells = [(cell.config["seed"], cell.config["temperature"], cell.config.get("strategy"), cell.config.get("prefix"),
+              cell.config.get("verify")) for cell in plan.cells]
+    assert cells == [
+        (0, 0.0, None, None, None), (0, 0.0, "aligned", 5, "exact"), (0, 0.0, "aligned", 3, "exact"),
+        (0, 0.0, "naive", 5, "exact"), (0, 0.0, "naive", 3, "exact"),
+        (0, 0.7, None, None, None), (0, 0.7, "aligned", 5, "exact"), (0, 0.7, "aligned", 5, "auto"),
+        (0, 0.7, "aligned", 3, "exact"), (0, 0.7, "naive", 5, "exact"), (0, 0.7, "naive", 3, "exact"),
+        (1, 0.7, None, None, None), (1, 0.7, "aligned", 5, "exact"), (1, 0.7, "aligned", 5, "auto"),
+        (1, 0.7, "aligned", 3, "exact"), (1, 0.7, "naive", 5, "exact"), (1, 0.7, "naive", 3, "exact")]
+    assert len(plan.items) == 17 * 2
+    with pytest.raises(PolspecError, match=r"^test.toml: 'verify' lists 'auto' and 'tli', which are one way"):
+        expand_sweep(config(temperature=0.7, verify=["tli", "exact", "auto"]), "test.toml")
 
 
 def test_the_size_a_sweep_is_refused_at_is_the_size_it_builds(monkeypatch):

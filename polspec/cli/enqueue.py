@@ -123,7 +123,8 @@ def _print_example(ctx: click.Context, param: click.Parameter, value: bool) -> N
 def sweep(config_path: Path, as_json: bool) -> None:
     """Queue an evaluation sweep: every draft, strategy, k and prefix on every dataset, plus a
     target-only baseline per dataset (and seed, temperature and batch size), interleaved prompt by
-    prompt so machine drift hits all alike.
+    prompt so machine drift hits all alike. Settings that would decode alike get one cell: greedy
+    cells take the first seed, and speculative sampling (tli) the first strategy and prefix.
 
     The file (TOML) names a target, its drafts and its datasets, and may set: name, strategies,
     k, prefix, limit, max_tokens, temperature or temperatures, verify, top_p, top_k, partial_word,

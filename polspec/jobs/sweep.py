@@ -24,9 +24,11 @@ other key may be left out and takes the default shown in the comment::
     raw = true                                  # continue text instead of the chat templates
 
 A *cell* is one configuration (dataset, draft, strategy, k, prefix, verify, seed, temperature,
-batch); every dataset, seed, temperature and batch size also gets a target-only *baseline* cell
-(verification is speculative only, and varies sampled cells only: greedy decoding verifies by
-exact match, so a temperature of 0 gets the first ``verify`` value's cells alone). A cell's key
+batch); every dataset, seed, temperature and batch size also gets a target-only *baseline* cell.
+Grid points that would decode alike get one cell, the first listed: greedy decoding verifies by
+exact match and draws nothing, so a temperature of 0 gets the first ``verify`` value's cells
+and the first seed's alone; speculative sampling (``tli``) proposes the draft's own tokens and
+translates nothing, so its cells take the first strategy and prefix alone. A cell's key
 names its grid point, with ``/t{temperature}`` only when the file lists ``temperatures`` and ``/v{verify}`` only when ``verify`` lists more than
 one value, so that sweeps written before those keys keep their cell keys and still resume. An
 *item* is one prompt in one cell (and one repeat). Items are enqueued prompt by prompt: the baseline item of a
@@ -198,6 +200,8 @@ def _cells(config: dict[str, Any], source: str, dataset: str, grid: dict[str, li
     then every draft setting."""
     cells = []
     for seed, temperature, batch in product(grid["seeds"], temperatures, grid["batch"]):
+        if not temperature and seed != grid["seeds"][0]:
+            continue
         # Batch 1, a scalar temperature and a single verify keep the cell keys of older sweeps,
         # so that they still resume.
         size = "" if batch == 1 else f"/b{batch}"
@@ -209,6 +213,9 @@ def _cells(config: dict[str, Any], source: str, dataset: str, grid: dict[str, li
         # Greedy cells verify by exact match whatever 'verify' says: one of them, not one per way.
         for draft, strategy, k, prefix, verify in product(grid["drafts"], grid["strategies"], grid["k"],
                                                           grid["prefix"], verifies if temperature else verifies[:1]):
+            translates = not temperature or verify == "exact"
+            if not translates and (strategy, prefix) != (grid["strategies"][0], grid["prefix"][0]):
+                continue
             check = f"/v{verify}" if len(verifies) > 1 else ""
             cells.append(CellPlan(
                 f"{dataset}/{draft}/{strategy}/k{k}/p{prefix}{check}/s{seed}{heat}{size}",
@@ -275,6 +282,8 @@ def _verifies(config: dict[str, Any], source: str) -> list:
             DecodingParams(verify=verify)
         except PolspecError as error:
             raise PolspecError(f"{source}: {error}") from None
+    if {"auto", "tli"} <= set(verifies):
+        raise PolspecError(f"{source}: 'verify' lists 'auto' and 'tli', which are one way (auto samples with tli)")
     return verifies
 
 
