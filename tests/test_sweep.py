@@ -237,6 +237,10 @@ def test_temperature_and_temperatures_together_is_one_line(tmp_path):
     ({"temperatures": [0.7, 0, 0.0]}, "test.toml: 'temperatures' lists 0.0 twice"),
     ({"verify": ["tli", "maybe"]}, "test.toml: verify must be one of auto, exact, tli, got 'maybe'"),
     ({"verify": []}, "test.toml: 'verify' must be a non-empty list"),
+    ({"temperature": [0.0, 0.7]}, "test.toml: 'temperature' takes one value, got a list ('temperatures' makes a grid"),
+    ({"max_tokens": [32, 64]}, "test.toml: 'max_tokens' takes one value, got a list"),
+    ({"datasets": [{"name": "pl-short", "limt": 3}]},
+     "test.toml: a dataset entry has an unknown key 'limt' (it takes a 'name' and a 'limit')"),
 ])
 def test_bad_configs_name_the_key(changes, message):
     with pytest.raises(PolspecError, match=message.replace("(", r"\(").replace(")", r"\)")):

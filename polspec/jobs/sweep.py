@@ -306,7 +306,10 @@ def _datasets(config: dict[str, Any], source: str, folder: Path | None) -> list[
             chosen.append((entry, default))
         elif isinstance(entry, dict):
             unknown = sorted(set(entry) - DATASET_KEYS)
-            if unknown or not isinstance(entry.get("name"), str):
+            if unknown:
+                raise PolspecError(f"{source}: a dataset entry has an unknown key {unknown[0]!r} "
+                                   "(it takes a 'name' and a 'limit')")
+            if not isinstance(entry.get("name"), str):
                 raise PolspecError(f"{source}: a dataset entry takes a 'name' (text) and a 'limit', got {entry}")
             limit = _at_least_one(entry.get("limit", default), f"the 'limit' of dataset {entry['name']!r}", source)
             chosen.append((entry["name"], limit))
@@ -323,6 +326,10 @@ def _datasets(config: dict[str, Any], source: str, folder: Path | None) -> list[
 def _params(config: dict[str, Any], source: str, **grid_point) -> DecodingParams:
     """The decoding parameters of one grid point; ``grid_point`` gives every GRID_PARAMS value."""
     options = {key: config[key] for key in SWEEP_PARAMS if key in config and key not in GRID_PARAMS}
+    listed = next((key for key in ("temperature", *options) if isinstance(config.get(key), list)), None)
+    if listed is not None and listed != "verify":  # a list where one value goes: the grid keys are others
+        grid = " ('temperatures' makes a grid of them)" if listed == "temperature" else ""
+        raise PolspecError(f"{source}: '{listed}' takes one value, got a list{grid}")
     try:
         return DecodingParams(**options, **grid_point)
     except (PolspecError, TypeError) as error:
