@@ -38,6 +38,7 @@ from polspec.report.summary import headline as summary_headline
 from polspec.store.engine import make_engine, session_scope
 from polspec.store.migrate import upgrade
 from polspec.store.schema import Cell, EnergyWindow, Item, Result, utcnow
+from conftest import sqlite_url
 from helpers import start_worker, statuses, wait_for, work
 
 SMALL = """
@@ -187,6 +188,24 @@ def test_the_size_a_sweep_is_refused_at_is_the_size_it_builds(monkeypatch):
     monkeypatch.setattr(sweep_module, "MAX_SWEEP_ITEMS", built - 1)
     with pytest.raises(PolspecError, match=rf"^test.toml: the sweep would queue {built:,} items, more than"):
         expand_sweep(wide, "test.toml")
+
+
+def test_a_dry_run_counts_the_cells_and_items_per_dataset_and_writes_nothing(tmp_path, monkeypatch):
+    path = tmp_path / "plan.toml"
+    path.write_text('target = "gemma3-270m"\ndrafts = ["smollm2-135m"]\nk = [1, 2]\n'
+                    'datasets = ["pl-short", { name = "pl-wiki", limit = 3 }]\nlimit = 4\nrepeats = 2\n')
+    monkeypatch.setenv("POLSPEC_DB_URL", sqlite_url(tmp_path / "db"))  # neither is touched
+    monkeypatch.setenv("POLSPEC_REDIS_URL", "redis://127.0.0.1:9/0")
+    plan = expand_sweep(tomllib.loads(path.read_text()), str(path))
+    result = CliRunner().invoke(main, ["enqueue", "sweep", "--config", str(path), "--dry-run"])
+    assert result.exit_code == 0 and result.output == (
+        f"sweep {plan.name} would queue 6 cells, 42 items on polspec-gemma3-270m (nothing written):\n"
+        "  pl-short: 3 cells, 24 items\n  pl-wiki: 3 cells, 18 items\n")
+    result = CliRunner().invoke(main, ["enqueue", "sweep", "--config", str(path), "--dry-run", "--json"])
+    assert result.exit_code == 0 and json.loads(result.output) == {
+        "name": plan.name, "queue": "polspec-gemma3-270m", "cells": 6, "items": 42,
+        "datasets": {"pl-short": {"cells": 3, "items": 24}, "pl-wiki": {"cells": 3, "items": 18}}}
+    assert len(plan.items) == 42 and not (tmp_path / "db").exists()
 
 
 def test_temperature_and_temperatures_together_is_one_line(tmp_path):

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import sys
+from collections import Counter
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
@@ -19,6 +21,9 @@ from polspec.cli.options import (
 from polspec.errors import PolspecError
 from polspec.jobs.datasets import DATASETS, load_dataset
 from polspec.jobs.spec import has_control_characters
+
+if TYPE_CHECKING:
+    from polspec.jobs.sweep import SweepPlan
 
 
 def _batch_name(name: str | None) -> str | None:
@@ -119,8 +124,12 @@ def _print_example(ctx: click.Context, param: click.Parameter, value: bool) -> N
               help="The sweep file (TOML); polspec enqueue sweep --example prints one to start from.")
 @click.option("--example", is_flag=True, is_eager=True, expose_value=False, callback=_print_example,
               help="Print a sweep file that runs on any machine (the offline models), and exit.")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object: batch, name, queue, cells, items, enqueued, done, resumed.")
-def sweep(config_path: Path, as_json: bool) -> None:
+@click.option("--dry-run", is_flag=True,
+              help="Check the file and print what it would queue (cells and items per dataset); write nothing.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print one JSON object: batch, name, queue, cells, items, enqueued, done, resumed "
+                   "(with --dry-run: name, queue, cells, items, datasets).")
+def sweep(config_path: Path, dry_run: bool, as_json: bool) -> None:
     """Queue an evaluation sweep: every draft, strategy, k and prefix on every dataset, plus a
     target-only baseline per dataset (and seed, temperature and batch size), interleaved prompt by
     prompt so machine drift hits all alike. Settings that would decode alike get one cell: greedy
@@ -138,12 +147,16 @@ def sweep(config_path: Path, as_json: bool) -> None:
     \b
     Example:
       polspec enqueue sweep --example > sweep.toml
+      polspec enqueue sweep --config sweep.toml --dry-run
       polspec enqueue sweep --config sweep.toml
     """
     from polspec.jobs.enqueue import enqueue_sweep
     from polspec.jobs.sweep import load_sweep
 
     plan = load_sweep(config_path)
+    if dry_run:
+        _print_plan(plan, as_json)
+        return
     done = enqueue_sweep(plan)
     if as_json:
         click.echo(json.dumps({"batch": done.batch_id, "name": done.name, "queue": done.queue, "cells": done.cells,
@@ -159,3 +172,21 @@ def sweep(config_path: Path, as_json: bool) -> None:
         click.echo(f"nothing left to run: polspec report {done.batch_id}")
     else:
         click.echo(f"run them with: polspec worker --burst    then: polspec report {done.batch_id}")
+
+
+def _print_plan(plan: SweepPlan, as_json: bool) -> None:
+    """What a sweep file would queue, per dataset."""
+    from polspec.jobs.queue import queue_name
+
+    dataset_of = {cell.key: cell.config["dataset"] for cell in plan.cells}
+    cells = Counter(dataset_of.values())
+    items = Counter(dataset_of[item.cell] for item in plan.items)
+    queue = queue_name(plan.spec.target)
+    if as_json:
+        click.echo(json.dumps({"name": plan.name, "queue": queue, "cells": len(plan.cells), "items": len(plan.items),
+                               "datasets": {name: {"cells": cells[name], "items": items[name]} for name in cells}}))
+        return
+    click.echo(f"sweep {plan.name} would queue {len(plan.cells)} cells, {len(plan.items)} items on {queue} "
+               "(nothing written):")
+    for name in cells:
+        click.echo(f"  {name}: {cells[name]} cells, {items[name]} items")
