@@ -580,6 +580,25 @@ def test_resuming_reopens_a_cancelled_sweep_and_keeps_a_finished_one_done(env, t
                                          f"nothing left to run: polspec report {batch}\n")
 
 
+def test_an_edited_sweep_file_tells_that_its_earlier_sweep_is_still_queued(env, tmp_path):
+    """Without a name a sweep is named by its content: after an edit the file makes a new sweep,
+    and the old one's items stayed queued for the same worker, unmentioned."""
+    sweep_file = tmp_path / "small.toml"
+    sweep_file.write_text(SMALL.replace('name = "small"\n', ""))
+    first = json.loads(cli(env, "enqueue", "sweep", "--config", str(sweep_file), "--json")[1])["batch"]
+    sweep_file.write_text(SMALL.replace('name = "small"\n', "").replace("max_tokens = 4", "max_tokens = 6"))
+    code, output = cli(env, "enqueue", "sweep", "--config", str(sweep_file))
+    assert code == 0 and output.startswith(
+        f"note: sweep {first}, from an earlier version of {sweep_file}, is unfinished and still queued; "
+        f"polspec cancel {first} drops it\nsweep {first + 1} (sweep-")
+    code, output = cli(env, "enqueue", "sweep", "--config", str(sweep_file))  # resumed: nothing new to say
+    assert code == 0 and "note:" not in output and f"sweep {first + 1} (" in output
+    assert cli(env, "cancel", str(first))[0] == 0
+    sweep_file.write_text(SMALL.replace('name = "small"\n', "").replace("max_tokens = 4", "max_tokens = 5"))
+    code, output = cli(env, "enqueue", "sweep", "--config", str(sweep_file))
+    assert code == 0 and output.startswith(f"note: sweep {first + 1}, from an earlier version") and output.count("note:") == 1
+
+
 def test_a_sweep_stores_prompt_and_repeat_and_the_report_pairs_results_by_them(env, tmp_path):
     sweep_file = tmp_path / "small.toml"
     sweep_file.write_text(SMALL + "repeats = 2\n")

@@ -158,6 +158,9 @@ def sweep(config_path: Path, dry_run: bool, as_json: bool) -> None:
         _print_plan(plan, as_json)
         return
     done = enqueue_sweep(plan)
+    for earlier in done.earlier:  # an unnamed sweep's file edited: a new sweep, the old one still queued
+        click.echo(f"note: sweep {earlier}, from an earlier version of {config_path}, is unfinished and still "
+                   f"queued; polspec cancel {earlier} drops it", err=True)
     if as_json:
         click.echo(json.dumps({"batch": done.batch_id, "name": done.name, "queue": done.queue, "cells": done.cells,
                                "items": done.items, "enqueued": done.enqueued, "done": done.done,

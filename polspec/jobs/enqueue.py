@@ -10,7 +10,7 @@ already queued, and the error says so.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis
@@ -171,6 +171,7 @@ class SweepEnqueued:
     enqueued: int
     done: int
     resumed: bool
+    earlier: list[int] = field(default_factory=list)  # unfinished sweeps of another version of the file
 
 
 def enqueue_sweep(plan: SweepPlan, *, db_url: str | None = None, queue_url: str | None = None) -> SweepEnqueued:
@@ -200,6 +201,11 @@ def enqueue_sweep(plan: SweepPlan, *, db_url: str | None = None, queue_url: str 
                 batch_id = batch.id
             else:
                 batch_id, new_items = _write_sweep(session, plan)
+                earlier = list(session.scalars(
+                    select(Batch.id).where(Batch.kind == "sweep", Batch.id != batch_id,
+                                           Batch.spec["source"].as_string() == plan.spec.source,
+                                           Batch.status.in_([Status.QUEUED.value, Status.RUNNING.value]))
+                    .order_by(Batch.id)))
         if batch is not None:
             enqueued = recover(engine, connection, batch_id).total
         else:
@@ -210,7 +216,8 @@ def enqueue_sweep(plan: SweepPlan, *, db_url: str | None = None, queue_url: str 
                                   .where(Item.batch_id == batch_id, Item.status == Status.DONE.value))
             cells = session.scalar(select(func.count()).select_from(Cell).where(Cell.batch_id == batch_id))
             items = session.scalar(select(func.count()).select_from(Item).where(Item.batch_id == batch_id))
-        return SweepEnqueued(batch_id, plan.name, name, cells, items, enqueued, done, batch is not None)
+        return SweepEnqueued(batch_id, plan.name, name, cells, items, enqueued, done, batch is not None,
+                             [] if batch is not None else earlier)
 
 
 def _first_difference(stored: dict[str, Any], wanted: dict[str, Any], within: str = "") -> tuple[str, str, str]:
