@@ -23,7 +23,8 @@ from rq.serializers import JSONSerializer
 from sqlalchemy import func, make_url, select
 
 from polspec.cli import main
-from polspec.jobs.queue import queue_name
+from polspec.decoding.batch import BatchDecoder
+from polspec.jobs.queue import RETRIES, queue_name
 from polspec.store.engine import make_engine, session_scope, sqlite_file
 from polspec.store.schema import Item, Result
 from conftest import sqlite_url
@@ -260,6 +261,34 @@ def test_second_sigterm_stops_at_once_without_a_traceback_and_the_items_run_agai
     assert requeued_after_a_kill(batch) in output
     attempts = sorted(item.attempts for item in assert_each_item_done_once(env, limit))
     assert attempts == [1] * (limit - batch) + [2] * batch
+
+
+def test_a_batch_whose_round_fails_gives_its_items_their_tries_back_and_halves_the_batch(env, monkeypatch):
+    """A round that raises in a batch of more than two, as running out of memory would (the
+    decoder is made to, over two sequences): every item in flight failed and spent one of its
+    three tries, and the next batch of the same size failed alike, so a whole queue could fail
+    after three batches. Now the items go back with their tries and the worker decodes two at a
+    time: every item is done once, on its second attempt at most, never beside more than one."""
+    enqueue(env, limit=6, max_tokens=6)
+    step, widths = BatchDecoder.step, []
+
+    def short_of_memory(self):
+        width = len(self.rows) + len(self.waiting)
+        widths.append(width)
+        if width > 2:
+            raise MemoryError("a test's memory for two sequences")
+        return step(self)
+
+    monkeypatch.setattr(BatchDecoder, "step", short_of_memory)
+    output = worker_in_process(env, "--burst", "--batch", "4")
+    assert ("a batch of 4 failed (MemoryError: a test's memory for two sequences): its items go back to the queue, "
+            "and from now on this worker decodes them at most 2 at a time") in output
+    items = assert_each_item_done_once(env, 6)
+    assert sorted(item.attempts for item in items) == [1, 1, 2, 2, 2, 2] and widths[0] == 4 and max(widths[1:]) == 2
+    connection = redis.Redis.from_url(env["POLSPEC_REDIS_URL"])
+    finished = Queue(queue_name(TARGET), connection=connection, serializer=JSONSerializer).finished_job_registry
+    jobs = [Job.fetch(job, connection=connection, serializer=JSONSerializer) for job in finished.get_job_ids()]
+    assert len(jobs) == 6 and {job.retries_left for job in jobs} == {RETRIES}  # none spent on the failed batch
 
 
 def test_an_item_past_its_job_timeout_in_a_batch_fails_like_a_timed_out_job_and_is_retried(env):

@@ -15,6 +15,13 @@ Between rounds the batch drops cancelled items and items past their job's RQ tim
 fail, and retry, as a timed-out job does), and a freed slot takes the next queued item. A
 warm shutdown (the first Ctrl+C) stops taking items and finishes the ones in flight.
 
+A round that fails (out of memory, most likely, or something in one item) takes the whole
+batch down, and a batch cannot tell which: where the worker chose the batch size (not a sweep
+cell, whose size is what it measures), its items go back to the queue with their tries intact
+and the worker decodes that pairing half as many at a time from then on, down to one at a time,
+where an item's own error counts against it alone (half of the items in flight, rounded up). Elsewhere every item in flight fails and is
+retried, as a job that raised.
+
 Redis is only the delivery channel: if it fails mid-batch, decoding goes on, every result is
 still written to the database, and the jobs' RQ bookkeeping is left to ``recover``.
 
@@ -141,12 +148,9 @@ class BatchRun:
                 self._measure()
                 try:
                     events = self.decoder.step()
-                except Exception as error:  # noqa: BLE001 - out of memory and the like: every item in flight fails
+                except Exception as error:  # noqa: BLE001 - out of memory and the like (see the module docstring)
                     stopped = f"decoding failed in the middle of the batch: {type(error).__name__}: {error}"
-                    exc_info = sys.exc_info()
-                    for running in list(self.running.values()):
-                        self._fail(running.job, running.execution, exc_info)
-                    self.running.clear()
+                    self._fail_batch(sys.exc_info())
                     break
                 for event in events:
                     self._record(event)
@@ -264,6 +268,7 @@ class BatchRun:
         longest = params.max_tokens + PROMPT_ALLOWANCE
         if self.decoder is None:
             size = self.wanted or best_batch_size(self.target, self.draft, held, longest)
+            size = min(size, self.worker.batch_caps.get(self.pairing, size))
             self.decoder = BatchDecoder(self.target, self.draft, size, held, longest)
             log.info("decoding %s%s in batches of up to %d", spec.target, f" + {spec.draft}" if spec.draft else "", size)
         self.decoder.probe = held
@@ -307,6 +312,20 @@ class BatchRun:
         except redis.RedisError as error:  # progress is a courtesy; results do not depend on Redis
             self._redis_failed(error)
         return True
+
+    def _fail_batch(self, exc_info: ExcInfo) -> None:
+        """A round failed: every item in flight fails, as a job that raised; where the worker
+        chose the batch size, with its tries given back, and the pairing's batches halved."""
+        count = len(self.running)
+        if count > 1 and self.pairing.batch is None:
+            cap = self.worker.batch_caps[self.pairing] = (count + 1) // 2
+            log.warning("a batch of %d failed (%s: %s): its items go back to the queue, and from now on this "
+                        "worker decodes them at most %d at a time", count, exc_info[0].__name__, exc_info[1], cap)
+            for running in self.running.values():
+                running.job.retries_left = (running.job.retries_left or 0) + 1  # RQ's retry takes it back
+        for running in list(self.running.values()):
+            self._fail(running.job, running.execution, exc_info)
+        self.running.clear()
 
     def _record(self, event: SequenceEvent) -> None:
         running = self.running[event.key]

@@ -51,7 +51,7 @@ from polspec.errors import DatabaseFailure, PolspecError
 from polspec.jobs.control import recover
 from polspec.jobs.queue import JOB_FUNCTION
 from polspec.store.engine import session_scope
-from polspec.store.items import item_pairings, renew_leases, this_host
+from polspec.store.items import Pairing, item_pairings, renew_leases, this_host
 from polspec.worker import HEARTBEAT_GRACE_S, HEARTBEAT_INTERVAL_S, context
 from polspec.worker.batching import BatchRun, job_item
 
@@ -86,6 +86,8 @@ class PolspecWorker(SimpleWorker):
                          job_monitoring_interval=heartbeat_interval, **options)
         self.heartbeat_grace = heartbeat_grace
         self.batch = batch
+        # The most items of a pairing decoded together since a batch of them failed (see batching).
+        self.batch_caps: dict[Pairing, int] = {}
         self.active: dict[str, tuple[Job, object]] = {}  # job id -> (job, execution): what the heartbeat renews
         self.on_job_end: Callable[[], None] | None = None  # e.g. to redraw a progress bar
         self.database_failure: DatabaseFailure | None = None  # why a job RQ ran failed, if the database did
@@ -198,7 +200,9 @@ class PolspecWorker(SimpleWorker):
         pairing = item_pairings(ctx.engine, [item]).get(item) if item is not None else None
         if pairing is None:
             return None, 1
-        return pairing, pairing.batch if pairing.batch is not None else self.batch
+        if pairing.batch is not None:
+            return pairing, pairing.batch
+        return pairing, 1 if self.batch_caps.get(pairing) == 1 else self.batch
 
     def _beat(self, stop: threading.Event) -> None:
         ctx = context.current()
