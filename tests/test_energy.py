@@ -58,7 +58,8 @@ def test_counters_that_do_not_move_are_no_measurement_not_zero(tmp_path, monkeyp
     zone(tmp_path, "intel-rapl:0", 1_000_000)
     with measure_energy(RaplMeter(tmp_path), "unused") as (reading, _):
         pass
-    assert reading.joules is None and reading.unavailable_reason == "rapl's counters did not move during the window"
+    assert reading.joules is None and reading.unavailable_reason.startswith("rapl's counters did not move during "
+                                                                           "the window (")
     monkeypatch.setitem(sys.modules, "pynvml", stand_in_nvml([10_000, 9_000_000, 4_000]))
     gpu, _ = open_meter(tmp_path, device="gpu")
     with measure_energy(gpu, "unused") as (reading, _):

@@ -161,7 +161,7 @@ def test_grid_points_that_would_decode_alike_get_one_cell():
     """Greedy decoding draws nothing: a temperature of 0 gets the first seed's cells alone.
     Speculative sampling (tli) translates nothing: its cells take the first strategy and prefix.
     2 seeds x 2 temperatures x 2 strategies x 2 prefixes x 2 verifications planned 28 cells a
-    dataset (greedy ones verified one way already), 13 of them decoding what another did."""
+    dataset (greedy ones verified one way already), 11 of them decoding what another did."""
     plan = expand_sweep(config(strategies=["aligned", "naive"], prefix=[5, 3], k=[2], seeds=[0, 1], repeats=None,
                                temperatures=[0, 0.7], verify=["exact", "auto"],
                                datasets=[{"name": "pl-short", "limit": 2}]), "test.toml")

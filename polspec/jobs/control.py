@@ -194,11 +194,17 @@ def _cancel_abandoned(engine: Engine, item: Item) -> bool:
     """Mark an abandoned running item of a cancelled batch cancelled, on the terms of
     :func:`_requeue_abandoned` and while the batch stays cancelled; True if this call did."""
     with session_scope(engine) as session:
-        still_cancelled = select(Batch.id).where(Batch.id == item.batch_id, Batch.status == Status.CANCELLED.value)
-        return session.execute(
-            update(Item).where(*_unchanged_since_read(item), Item.batch_id.in_(still_cancelled))
-            .values(status=Status.CANCELLED.value, stops=Item.stops + 1, last_error="worker stopped while running it",
-                    finished_at=database_now(session))).rowcount == 1
+        # The item's lock, then the batch's, as a claim or a finish takes them: a resume committed
+        # meanwhile (retry --cancelled) is read here, and the item is left for the next recover.
+        if session.execute(select(Item.id).where(*_unchanged_since_read(item)).with_for_update()).first() is None:
+            return False
+        if session.get(Batch, item.batch_id, with_for_update=True, populate_existing=True).status != \
+                Status.CANCELLED.value:
+            return False
+        session.execute(update(Item).where(Item.id == item.id).values(
+            status=Status.CANCELLED.value, stops=Item.stops + 1, last_error="worker stopped while running it",
+            finished_at=database_now(session)))
+        return True
 
 
 def _unchanged_since_read(item: Item) -> tuple:

@@ -171,7 +171,7 @@ class SweepEnqueued:
     enqueued: int
     done: int
     resumed: bool
-    earlier: list[int] = field(default_factory=list)  # unfinished sweeps of another version of the file
+    earlier: list[int] = field(default_factory=list)  # unfinished sweeps of an unnamed file's other versions
 
 
 def enqueue_sweep(plan: SweepPlan, *, db_url: str | None = None, queue_url: str | None = None) -> SweepEnqueued:
@@ -201,7 +201,7 @@ def enqueue_sweep(plan: SweepPlan, *, db_url: str | None = None, queue_url: str 
                 batch_id = batch.id
             else:
                 batch_id, new_items = _write_sweep(session, plan)
-                earlier = list(session.scalars(
+                earlier = [] if "name" in plan.config else list(session.scalars(  # a named one's edit is refused
                     select(Batch.id).where(Batch.kind == "sweep", Batch.id != batch_id,
                                            Batch.spec["source"].as_string() == plan.spec.source,
                                            Batch.status.in_([Status.QUEUED.value, Status.RUNNING.value]))

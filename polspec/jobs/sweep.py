@@ -327,7 +327,7 @@ def _params(config: dict[str, Any], source: str, **grid_point) -> DecodingParams
     """The decoding parameters of one grid point; ``grid_point`` gives every GRID_PARAMS value."""
     options = {key: config[key] for key in SWEEP_PARAMS if key in config and key not in GRID_PARAMS}
     listed = next((key for key in ("temperature", *options) if isinstance(config.get(key), list)), None)
-    if listed is not None and listed != "verify":  # a list where one value goes: the grid keys are others
+    if listed is not None:  # a list where one value goes: the grid keys are others
         grid = " ('temperatures' makes a grid of them)" if listed == "temperature" else ""
         raise PolspecError(f"{source}: '{listed}' takes one value, got a list{grid}")
     try:

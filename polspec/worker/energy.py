@@ -257,5 +257,7 @@ class Measurement:
         if not self.stretches:
             return EnergyReading(unavailable_reason="nothing was measured")
         if self.joules <= 0:  # a machine that computed used energy: the counter is not live
-            return EnergyReading(unavailable_reason=f"{self.meter.name}'s counters did not move during the window")
+            return EnergyReading(unavailable_reason=f"{self.meter.name}'s counters did not move during the window "
+                                                    "(a window shorter than the meter's updates, or a counter that "
+                                                    "does not count)")
         return EnergyReading(joules=self.joules, source=self.meter.name)
