@@ -339,10 +339,14 @@ def test_batched_speculative_sampling_keeps_the_target_distribution(gemma3, smol
     assert statistic < chi_square_critical(df), (statistic, df, Counter(map(tuple, sequences)).most_common(5))
 
 
-def test_a_seed_gives_the_same_samples_whatever_the_batch_holds(gemma3, smollm2):
-    params = DecodingParams(seed=7, max_tokens=6, temperature=1.0, k=2)
+@pytest.mark.parametrize("verify", ["tli", "exact"])
+def test_a_seed_gives_the_same_samples_whatever_the_batch_holds(gemma3, smollm2, verify):
+    """At a fixed k, by speculative sampling or by exact match (whose round draws as many numbers
+    as it has candidates, which the batch does not change)."""
+    params = DecodingParams(seed=7, max_tokens=6, temperature=1.0, k=2, verify=verify)
     alone = generate(gemma3, smollm2, PROMPTS[1], params, chat=False).token_ids
-    others = [(PROMPTS[i], DecodingParams(seed=100 + i, max_tokens=6, temperature=0.8, k=2)) for i in (2, 3, 4)]
+    others = [(PROMPTS[i], DecodingParams(seed=100 + i, max_tokens=6, temperature=0.8, k=2, verify=verify))
+              for i in (2, 3, 4)]
     tokens: dict[int, list[int]] = {}
     for event in stream_batch(gemma3, smollm2, [*others, (PROMPTS[1], params)], max_batch=4, chat=False):
         tokens.setdefault(event.key, [])
