@@ -160,8 +160,9 @@ def test_temperatures_and_verify_are_grid_dimensions_and_single_values_keep_the_
 def test_grid_points_that_would_decode_alike_get_one_cell():
     """Greedy decoding draws nothing: a temperature of 0 gets the first seed's cells alone.
     Speculative sampling (tli) translates nothing: its cells take the first strategy and prefix.
-    2 seeds x 2 temperatures x 2 strategies x 2 prefixes x 2 verifications planned 28 cells a
-    dataset (greedy ones verified one way already), 11 of them decoding what another did."""
+    naive translation reads no prefix: its cells take the first. 2 seeds x 2 temperatures x 2
+    strategies x 2 prefixes x 2 verifications planned 28 cells a dataset (greedy ones verified
+    one way already), 14 of them decoding what another did."""
     plan = expand_sweep(config(strategies=["aligned", "naive"], prefix=[5, 3], k=[2], seeds=[0, 1], repeats=None,
                                temperatures=[0, 0.7], verify=["exact", "auto"],
                                datasets=[{"name": "pl-short", "limit": 2}]), "test.toml")
@@ -169,14 +170,32 @@ def test_grid_points_that_would_decode_alike_get_one_cell():
               cell.config.get("verify")) for cell in plan.cells]
     assert cells == [
         (0, 0.0, None, None, None), (0, 0.0, "aligned", 5, "exact"), (0, 0.0, "aligned", 3, "exact"),
-        (0, 0.0, "naive", 5, "exact"), (0, 0.0, "naive", 3, "exact"),
+        (0, 0.0, "naive", 5, "exact"),
         (0, 0.7, None, None, None), (0, 0.7, "aligned", 5, "exact"), (0, 0.7, "aligned", 5, "auto"),
-        (0, 0.7, "aligned", 3, "exact"), (0, 0.7, "naive", 5, "exact"), (0, 0.7, "naive", 3, "exact"),
+        (0, 0.7, "aligned", 3, "exact"), (0, 0.7, "naive", 5, "exact"),
         (1, 0.7, None, None, None), (1, 0.7, "aligned", 5, "exact"), (1, 0.7, "aligned", 5, "auto"),
-        (1, 0.7, "aligned", 3, "exact"), (1, 0.7, "naive", 5, "exact"), (1, 0.7, "naive", 3, "exact")]
-    assert len(plan.items) == 17 * 2
+        (1, 0.7, "aligned", 3, "exact"), (1, 0.7, "naive", 5, "exact")]
+    assert len(plan.items) == 14 * 2 and plan.notes == []
     with pytest.raises(PolspecError, match=r"^test.toml: 'verify' lists 'auto' and 'tli', which are one way"):
         expand_sweep(config(temperature=0.7, verify=["tli", "exact", "auto"]), "test.toml")
+
+
+def test_settings_that_change_nothing_and_limits_past_a_dataset_s_end_are_noted(tmp_path):
+    path = tmp_path / "noted.toml"
+    path.write_text('target = "gemma3-270m"\ndrafts = ["smollm2-135m"]\nstrategies = ["naive", "none"]\n'
+                    'prefix = [3, 5]\npartial_word = "hold"\nseeds = [0, 1]\ntop_p = 0.9\n'
+                    'datasets = [{ name = "pl-short", limit = 100 }, { name = "pl-wiki", limit = 2 }]\n')
+    result = CliRunner().invoke(main, ["enqueue", "sweep", "--config", str(path), "--dry-run"])
+    assert result.exit_code == 0 and result.output.startswith(
+        f"note: {path}: 'seeds', 'top_p' have no effect at temperature 0 (greedy decoding): only the first seed runs\n"
+        f"note: {path}: 'prefix', 'partial_word' have no effect with strategies naive, none: only the first prefix "
+        "runs\n"
+        f"note: {path}: dataset 'pl-short' holds 64 prompts, fewer than its limit of 100: all of them run\n"
+        "sweep sweep-"), result.output
+    assert "would queue 6 cells" in result.output  # a baseline, naive and none per dataset
+    sampled = expand_sweep(config(strategies=["aligned"], prefix=[3, 5], seeds=[0, 1], top_p=0.9, temperature=0.7,
+                                  partial_word="hold"), "test.toml")
+    assert sampled.notes == []  # each read
 
 
 def test_the_size_a_sweep_is_refused_at_is_the_size_it_builds(monkeypatch):

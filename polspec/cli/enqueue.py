@@ -133,7 +133,8 @@ def sweep(config_path: Path, dry_run: bool, as_json: bool) -> None:
     """Queue an evaluation sweep: every draft, strategy, k and prefix on every dataset, plus a
     target-only baseline per dataset (and seed, temperature and batch size), interleaved prompt by
     prompt so machine drift hits all alike. Settings that would decode alike get one cell: greedy
-    cells take the first seed, and speculative sampling (tli) the first strategy and prefix.
+    cells take the first seed, speculative sampling (tli) the first strategy and prefix, and
+    strategies that read no prefix (naive, none) the first prefix. Notes say which.
 
     The file (TOML) names a target, its drafts and its datasets, and may set: name, strategies,
     k, prefix, limit, max_tokens, temperature or temperatures, verify, top_p, top_k, partial_word,
@@ -154,6 +155,8 @@ def sweep(config_path: Path, dry_run: bool, as_json: bool) -> None:
     from polspec.jobs.sweep import load_sweep
 
     plan = load_sweep(config_path)
+    for note in plan.notes:
+        click.echo(f"note: {config_path}: {note}", err=True)
     if dry_run:
         _print_plan(plan, as_json)
         return

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
-from polspec.decoding.params import DRAFT_VOCAB, K_POLICIES, MAX_K, PARTIAL_WORD, STRATEGIES, VERIFY
+from polspec.decoding.params import DRAFT_VOCAB, K_POLICIES, MAX_K, PARTIAL_WORD, STRATEGIES, STRATEGY_OPTIONS, VERIFY
 from polspec.errors import PolspecError
 
 DEFAULT_TARGET = "gemma3-270m"
@@ -173,8 +173,6 @@ def note_if_the_draft_is_the_target(target: str, draft: str) -> None:
 # Options that change nothing without a draft, and at temperature 0 (greedy decoding).
 DRAFT_OPTIONS = ("k", "strategy", "prefix", "partial_word", "draft_vocab", "verify")
 SAMPLING_OPTIONS = ("top_p", "top_k", "seed", "verify")
-# Options of translation strategies, and the strategies that read them (polspec.decoding.translate).
-STRATEGY_OPTIONS = {"prefix": {"aligned", "context"}, "partial_word": {"aligned"}}
 
 
 def note_options_without_effect(ctx: click.Context, draft: str, sampling: bool, strategies: Collection[str]) -> None:

@@ -9,6 +9,8 @@ from dataclasses import dataclass, fields
 from polspec.errors import PolspecError
 
 STRATEGIES = ("aligned", "context", "naive", "none")  # see polspec.decoding.translate
+# Options of translation strategies, and the strategies that read them.
+STRATEGY_OPTIONS = {"prefix": {"aligned", "context"}, "partial_word": {"aligned"}}
 K_POLICIES = ("heuristic", "confidence", "auto")
 PARTIAL_WORD = ("verify", "hold")  # what aligned does with the tokens of a word a proposal stops inside
 MAX_K = 16

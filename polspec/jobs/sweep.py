@@ -28,7 +28,8 @@ batch); every dataset, seed, temperature and batch size also gets a target-only 
 Grid points that would decode alike get one cell, the first listed: greedy decoding verifies by
 exact match and draws nothing, so a temperature of 0 gets the first ``verify`` value's cells
 and the first seed's alone; speculative sampling (``tli``) proposes the draft's own tokens and
-translates nothing, so its cells take the first strategy and prefix alone. A cell's key
+translates nothing, so its cells take the first strategy and prefix alone; ``naive`` and
+``none`` read no prefix, so theirs take the first. A cell's key
 names its grid point, with ``/t{temperature}`` only when the file lists ``temperatures`` and ``/v{verify}`` only when ``verify`` lists more than
 one value, so that sweeps written before those keys keep their cell keys and still resume. An
 *item* is one prompt in one cell (and one repeat). Items are enqueued prompt by prompt: the baseline item of a
@@ -53,7 +54,7 @@ from itertools import product
 from pathlib import Path
 from typing import Any
 
-from polspec.decoding.params import DecodingParams, is_whole_number
+from polspec.decoding.params import STRATEGY_OPTIONS, DecodingParams, is_whole_number
 from polspec.errors import PolspecError, not_utf8, past_parser_limits
 from polspec.jobs.datasets import dataset_source, load_dataset
 from polspec.jobs.spec import GenerateSpec, ItemInput, check_items_fit, check_models, has_control_characters
@@ -107,6 +108,7 @@ class SweepPlan:
     config: dict[str, Any]
     cells: list[CellPlan] = field(default_factory=list)
     items: list[ItemPlan] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # settings that change nothing, limits past a dataset's end
 
 
 def load_sweep(path: Path) -> SweepPlan:
@@ -176,6 +178,7 @@ def expand_sweep(config: dict[str, Any], source: str, folder: Path | None = None
 
     plan = SweepPlan(config.get("name") or _default_name(config), spec, dict(config))
     plan.cells = [cell for cells in per_dataset.values() for cell in cells]
+    plan.notes = _notes(config, grid, temperatures, datasets, prompts)
     chunk = max(grid["batch"])
     ids: dict[str, str] = {}  # an item's key, the id of the prompt it was made for
     for dataset, _ in datasets:
@@ -214,7 +217,9 @@ def _cells(config: dict[str, Any], source: str, dataset: str, grid: dict[str, li
         for draft, strategy, k, prefix, verify in product(grid["drafts"], grid["strategies"], grid["k"],
                                                           grid["prefix"], verifies if temperature else verifies[:1]):
             translates = not temperature or verify == "exact"
-            if not translates and (strategy, prefix) != (grid["strategies"][0], grid["prefix"][0]):
+            if not translates and strategy != grid["strategies"][0]:
+                continue
+            if not (translates and strategy in STRATEGY_OPTIONS["prefix"]) and prefix != grid["prefix"][0]:
                 continue
             check = f"/v{verify}" if len(verifies) > 1 else ""
             cells.append(CellPlan(
@@ -223,6 +228,28 @@ def _cells(config: dict[str, Any], source: str, dataset: str, grid: dict[str, li
                  "verify": verify, **sampled, "batch": batch},
                 False, _params(config, source, k=k, strategy=strategy, prefix=prefix, verify=verify, **sampled)))
     return cells
+
+
+def _notes(config: dict[str, Any], grid: dict[str, list], temperatures: list[float],
+           datasets: list[tuple[str, int | None]], prompts: dict[str, list]) -> list[str]:
+    """What the file asks for that changes nothing, as ``generate`` tells of its options: the
+    sampler's keys where nothing is sampled, a strategy's own where no strategy reads them, and a
+    dataset's limit past its end."""
+    notes = []
+    greedy = [key for key in ("seeds", "top_p", "top_k", "verify")
+              if key in config and not (key == "seeds" and len(grid["seeds"]) == 1)] if not any(temperatures) else []
+    unread = [key for key in STRATEGY_OPTIONS if key in config and not (key == "prefix" and len(grid["prefix"]) == 1)
+              and not STRATEGY_OPTIONS[key] & set(grid["strategies"])]
+    strategies = ", ".join(grid["strategies"])
+    for keys, reason, (listed, one) in ((greedy, "at temperature 0 (greedy decoding)", ("seeds", "seed")),
+                                        (unread, f"with strategies {strategies}", ("prefix", "prefix"))):
+        if keys:
+            alone = f": only the first {one} runs" if listed in keys else ""
+            notes.append(f"{', '.join(repr(key) for key in keys)} {'has' if len(keys) == 1 else 'have'} no effect "
+                         f"{reason}{alone}")
+    notes += [f"dataset {name!r} holds {len(prompts[name])} prompts, fewer than its limit of {limit}: all of them run"
+              for name, limit in datasets if limit is not None and len(prompts[name]) < limit]
+    return notes
 
 
 def _list(config: dict[str, Any], key: str, source: str) -> list:

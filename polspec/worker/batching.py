@@ -18,9 +18,9 @@ warm shutdown (the first Ctrl+C) stops taking items and finishes the ones in fli
 A round that fails (out of memory, most likely, or something in one item) takes the whole
 batch down, and a batch cannot tell which: where the worker chose the batch size (not a sweep
 cell, whose size is what it measures), its items go back to the queue with their tries intact
-and the worker decodes that pairing half as many at a time from then on, down to one at a time,
-where an item's own error counts against it alone (half of the items in flight, rounded up). Elsewhere every item in flight fails and is
-retried, as a job that raised.
+and the worker decodes that pairing at most half as many at a time (of those in flight, rounded
+up) from then on, down to one at a time, where an item's own error counts against it alone.
+Elsewhere every item in flight fails and is retried, as a job that raised.
 
 Redis is only the delivery channel: if it fails mid-batch, decoding goes on, every result is
 still written to the database, and the jobs' RQ bookkeeping is left to ``recover``.
