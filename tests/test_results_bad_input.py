@@ -236,7 +236,7 @@ def test_a_report_or_its_plots_that_cannot_be_written_leave_nothing_behind(sqlit
 
     code, output = cli(sqlite_env, "report", str(sweep_id), "--output", str(report), "--plots", str(plots))
     assert code == 0 and report.read_text(encoding="utf-8").startswith("#")
-    assert output.endswith(f"sweep {sweep_id} has no results yet (0 of 2 generations done), so its tables are empty\n")
+    assert output.endswith(f"sweep {sweep_id} has no speculative results yet (0 of 2 generations done), so its tables are empty\n")
     assert f"wrote {report}\n" in output and len(list(plots.glob("*.png"))) == 3
 
 

@@ -69,8 +69,8 @@ def report(ctx: click.Context, sweep_id: int, fmt: str, output: str | None, plot
     for path in [*written, *([destination] if destination is not None else [])]:
         click.echo(f"wrote {path}", err=True)
     if not summary.rows:
-        click.echo(f"sweep {sweep_id} has no results yet ({summary.done} of {summary.total} generations done), "
-                   "so its tables are empty", err=True)
+        click.echo(f"sweep {sweep_id} has no speculative results yet ({summary.done} of {summary.total} generations "
+                   "done), so its tables are empty", err=True)
 
 
 def _write_plots(summary: SweepReport, plots: Path) -> list[Path]:
