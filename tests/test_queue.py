@@ -259,6 +259,32 @@ def test_recover_leaves_an_item_claimed_after_it_read_it(env):
     engine.dispose()
 
 
+def test_a_worker_s_own_recover_requeues_what_it_left_behind_without_waiting_for_the_lease(env):
+    """A database that failed as a worker finished an item left it running under that worker,
+    its lease fresh, while RQ retried its job, and another worker skipped the job (running
+    elsewhere): only a recover after the lease ran out gave it a job, in a long sweep often at
+    its end. A worker's own recover knows what it decodes: its other running items are left
+    behind, and go back to the queue at once, with no stop counted against them."""
+    cli(env, "enqueue", "generate", "--dataset", "pl-short", "--limit", "2", "--target", "smollm2-135m")
+    engine = make_engine(env["POLSPEC_DB_URL"])
+    connection = redis.Redis.from_url(env["POLSPEC_REDIS_URL"])
+    queue = Queue(queue_name("smollm2-135m"), connection=connection, serializer=JSONSerializer)
+    me = Worker.this_process()
+    left, decoding = sorted(item.id for item, _ in results_by_key(env).values())
+    for item_id in (left, decoding):
+        claim_item(engine, item_id, me)
+        queue.remove(job_id(database_id(engine), item_id))  # taken by the worker
+    assert recover(engine, connection, me=me).total == 0  # polspec recover sees a live worker's fresh lease
+    assert recover(engine, connection, me=me, holding={decoding}).reasons == {"left behind by this worker": 1}
+    with session_scope(engine) as session:
+        item = session.get(Item, left)
+        assert (item.status, item.stops, item.last_error) == (
+            "queued", 0, "left behind by its worker (the database failed as it finished)")
+        assert session.get(Item, decoding).status == "running"
+    assert queue.get_job_ids() == [job_id(database_id(engine), left)]
+    engine.dispose()
+
+
 def test_an_item_whose_worker_stopped_on_every_try_fails_instead_of_running_again(env):
     """A prompt that gets its worker killed (out of memory) is tried three times, as one whose
     error repeats is: recover used to requeue it for ever, taking worker after worker down. An

@@ -5,7 +5,9 @@ without AOF, a worker killed mid-job), :func:`recover` finds the unfinished item
 re-enqueues those whose job cannot finish on its own:
 
 - a *running* item whose worker is gone (dead pid on this host, or a lease that ran out) goes
-  back to queued and gets a fresh job; unless its worker has now stopped while running it
+  back to queued and gets a fresh job; so does one a worker recovering for itself left behind
+  (claimed by it, and not among the items it decodes: a database that failed as it finished,
+  whose retried job another worker skipped while the lease still ran); unless its worker has now stopped while running it
   ``1 + RETRIES`` times (killed for memory, say, counted in ``Item.stops``): then it fails with
   that reason, as an item whose error repeats does, rather than take down worker after worker;
 - a *queued* item gets a fresh job when its job is missing, already ended, not in its queue,
@@ -22,6 +24,7 @@ never delivers an item twice.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import redis
@@ -82,8 +85,11 @@ def _items(count: int) -> str:
 
 
 def recover(engine: Engine, connection: redis.Redis, batch_id: int | None = None,
-            me: Worker | None = None, lease_s: float = DEFAULT_LEASE_S) -> Requeued:
-    """Re-enqueue the unfinished items (of one batch, or all) that no job will finish."""
+            me: Worker | None = None, lease_s: float = DEFAULT_LEASE_S,
+            holding: Collection[int] | None = None) -> Requeued:
+    """Re-enqueue the unfinished items (of one batch, or all) that no job will finish.
+    ``holding``: for a worker ``me``, the items it decodes now; its other running items are
+    left behind."""
     me = me or Worker.this_process()
     db_id = database_id(engine)
     # Queued items as three columns, not whole rows: a resumed sweep may have hundreds of
@@ -110,10 +116,15 @@ def recover(engine: Engine, connection: redis.Redis, batch_id: int | None = None
     report = Requeued()
     to_enqueue: dict[str, list[tuple[int, int]]] = defaultdict(list)
     for item, of_cancelled_batch in running:
-        if not owner_gone(item, me, now, lease_s):
+        left_behind = holding is not None and me.holds(item) and item.id not in holding
+        if not left_behind and not owner_gone(item, me, now, lease_s):
             continue
         if of_cancelled_batch:
             report.cancelled += _cancel_abandoned(engine, item)
+        elif left_behind:  # its worker did not stop: no stop counts against it
+            if _requeue_abandoned(engine, item, stopped=False):
+                report.reasons["left behind by this worker"] += 1
+                to_enqueue[queues[item.batch_id]].append((item.id, item.params["max_tokens"]))
         elif item.stops + 1 >= 1 + RETRIES:  # it stopped on every try, this one included
             report.failed += _fail_abandoned(engine, item)
         elif _requeue_abandoned(engine, item):
@@ -167,14 +178,16 @@ def _starter_gone(connection: redis.Redis, worker_name: str | None, me: Worker) 
     return host is not None and pid is not None and me.sees_stopped(host.decode(), int(pid))
 
 
-def _requeue_abandoned(engine: Engine, item: Item) -> bool:
+def _requeue_abandoned(engine: Engine, item: Item, stopped: bool = True) -> bool:
     """Queue an abandoned running item again, unless it was claimed or renewed since it was read
-    (another recover or a worker got there first); True if this call requeued it."""
+    (another recover or a worker got there first); True if this call requeued it. ``stopped``:
+    its worker stopped while running it (counted in ``stops``), rather than left it behind."""
     with session_scope(engine) as session:
         return session.execute(
             update(Item).where(*_unchanged_since_read(item))
-            .values(status=Status.QUEUED.value, stops=Item.stops + 1,
-                    last_error="worker stopped while running it")).rowcount == 1
+            .values(status=Status.QUEUED.value, stops=Item.stops + int(stopped),
+                    last_error="worker stopped while running it" if stopped else
+                    "left behind by its worker (the database failed as it finished)")).rowcount == 1
 
 
 def _fail_abandoned(engine: Engine, item: Item) -> bool:

@@ -48,6 +48,10 @@ class Worker:
         something to this worker, and no longer runs."""
         return host == self.host and pid is not None and pid != self.pid and not pid_alive(pid)
 
+    def holds(self, item: Item) -> bool:
+        """Whether the item was last claimed by this worker."""
+        return (item.worker_host, item.worker_pid) == (self.host, self.pid)
+
 
 def this_host() -> str:
     """The host name, followed on Linux by the pid namespace when it is not the machine's own.
@@ -125,7 +129,7 @@ def claim_item(engine: Engine, item_id: int, me: Worker, lease_s: float = DEFAUL
             return f"item {item_id} is cancelled"
         if item.status in (Status.DONE.value, Status.FAILED.value):
             return f"item {item_id} is already {item.status}"
-        if item.status == Status.RUNNING.value and not _held_by(item, me):
+        if item.status == Status.RUNNING.value and not me.holds(item):
             if not owner_gone(item, me, now, lease_s):
                 return f"item {item_id} is running on {item.worker_host} (pid {item.worker_pid})"
             item.stops += 1  # taken over: its worker stopped while running it
@@ -198,7 +202,7 @@ def finish_item(engine: Engine, item_id: int, me: Worker, result: Result) -> boo
     """
     with session_scope(engine) as session:
         item = _locked_item(session, item_id)
-        if item is None or item.status != Status.RUNNING.value or not _held_by(item, me):
+        if item is None or item.status != Status.RUNNING.value or not me.holds(item):
             return False
         if session.scalar(select(Result.id).where(Result.item_id == item_id)) is not None:
             return False
@@ -239,7 +243,7 @@ def fail_item(engine: Engine, item_id: int, me: Worker, reason: str, *, final: b
     the resume would not see it)."""
     with session_scope(engine) as session:
         item = _locked_item(session, item_id)
-        if item is None or item.status != Status.RUNNING.value or not _held_by(item, me):
+        if item is None or item.status != Status.RUNNING.value or not me.holds(item):
             return None
         session.refresh(item.batch, with_for_update=True)  # the item's lock first, as claim and finish take them
         batch_cancelled = item.batch.status == Status.CANCELLED.value
@@ -255,8 +259,6 @@ def fail_item(engine: Engine, item_id: int, me: Worker, reason: str, *, final: b
         return Status(item.status)
 
 
-def _held_by(item: Item, me: Worker) -> bool:
-    return (item.worker_host, item.worker_pid) == (me.host, me.pid)
 
 
 def _locked_item(session: Session, item_id: int) -> Item | None:

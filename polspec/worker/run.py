@@ -72,7 +72,7 @@ def run_worker(options: WorkerOptions, *, on_start: Callable[[Requeued, list[str
                                           options.lease_s))
     try:
         names = queue_names(connection, options.queues)  # a mistyped queue fails before recover writes
-        requeued = recover(engine, connection, me=me, lease_s=options.lease_s)
+        requeued = recover(engine, connection, me=me, lease_s=options.lease_s, holding=())  # none yet
         if on_start is not None:
             on_start(requeued, names)
         worked = False
@@ -84,7 +84,7 @@ def run_worker(options: WorkerOptions, *, on_start: Callable[[Requeued, list[str
             # A burst worker finishes what the database holds, not only what Redis delivered:
             # jobs lost while Redis was away are re-enqueued and served before it stops.
             if not options.burst or worker._stop_requested or not recover(engine, connection, me=me,
-                                                                         lease_s=options.lease_s).total:
+                                                                         lease_s=options.lease_s, holding=()).total:
                 break
         return worked
     finally:

@@ -225,7 +225,7 @@ class PolspecWorker(SimpleWorker):
         """Give a job to every unfinished item left without one (see the module docstring)."""
         ctx = context.current()
         try:
-            requeued = recover(ctx.engine, self.connection, me=ctx.me, lease_s=ctx.lease_s)
+            requeued = recover(ctx.engine, self.connection, me=ctx.me, lease_s=ctx.lease_s, holding=ctx.current_items)
         # Any error: in RQ's maintenance it would end the worker. The next outage's end, or maintenance, tries again.
         except Exception as error:  # noqa: BLE001
             log.warning("could not recover items left without a job: %s: %s", type(error).__name__, error)
