@@ -5,11 +5,12 @@ without AOF, a worker killed mid-job), :func:`recover` finds the unfinished item
 re-enqueues those whose job cannot finish on its own:
 
 - a *running* item whose worker is gone (dead pid on this host, or a lease that ran out) goes
-  back to queued and gets a fresh job; so does one a worker recovering for itself left behind
-  (claimed by it, and not among the items it decodes: a database that failed as it finished,
-  whose retried job another worker skipped while the lease still ran); unless its worker has now stopped while running it
+  back to queued and gets a fresh job; unless its worker has now stopped while running it
   ``1 + RETRIES`` times (killed for memory, say, counted in ``Item.stops``): then it fails with
   that reason, as an item whose error repeats does, rather than take down worker after worker;
+- so does, at once and with no stop counted, a running item that a worker recovering for
+  itself left behind (claimed by it, and not among the items it decodes: the database failed
+  as it finished, and another worker skipped its retried job while the lease still ran);
 - a *queued* item gets a fresh job when its job is missing, already ended, not in its queue,
   unreadable, or names another function than :data:`~polspec.jobs.queue.JOB_FUNCTION` (queued
   by an older polspec, before the job function moved), or was started by a worker that stopped

@@ -259,8 +259,6 @@ def fail_item(engine: Engine, item_id: int, me: Worker, reason: str, *, final: b
         return Status(item.status)
 
 
-
-
 def _locked_item(session: Session, item_id: int) -> Item | None:
     # FOR UPDATE serialises claims on PostgreSQL; SQLite already holds the write lock (BEGIN IMMEDIATE).
     return session.scalar(select(Item).where(Item.id == item_id).with_for_update())
