@@ -8,6 +8,7 @@ exactly one result.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sqlite3
 import subprocess
@@ -27,6 +28,7 @@ from polspec.decoding.batch import BatchDecoder
 from polspec.jobs.queue import RETRIES, queue_name
 from polspec.store.engine import make_engine, session_scope, sqlite_file
 from polspec.store.schema import Item, Result
+from polspec.worker.worker import PolspecWorker
 from conftest import sqlite_url
 from helpers import start_worker, statuses, wait_for, wait_for_line, worker_in_process
 
@@ -167,6 +169,28 @@ def test_first_sigterm_finishes_the_item_then_stops(env):
     after = statuses(env)
     assert after.get("done") == 1 and after.get("queued") == 2 and "running" not in after
     worker_in_process(env, "--burst")
+    assert_each_item_done_once(env, 3)
+
+
+def test_a_sigterm_as_a_dequeued_job_is_read_stops_a_burst_worker(env, monkeypatch):
+    """SIGTERM after RQ dequeued a job and before it ran (as the worker reads the job's item): RQ
+    ends its loop there without the stop it records while a job runs, and a burst worker found
+    the dequeued job lost, queued it again and went on serving all: the stop was ignored. Now it
+    stops; the next worker finds the job and runs it."""
+    enqueue(env, limit=3, max_tokens=4)
+    batching, signals = PolspecWorker._batching, []
+
+    def interrupted(self, job):
+        if signals:  # it went on serving after the stop: a cold stop ends it (and fails the test)
+            raise SystemExit("served a job after SIGTERM")
+        signals.append(os.kill(os.getpid(), signal.SIGTERM))  # one SIGTERM, as a user sends it
+        return batching(self, job)
+
+    monkeypatch.setattr(PolspecWorker, "_batching", interrupted)
+    worker_in_process(env, "--burst")
+    assert statuses(env) == {"queued": 3}
+    monkeypatch.undo()
+    assert requeued_after_a_kill(1).replace("worker gone", "job not in its queue") in worker_in_process(env, "--burst")
     assert_each_item_done_once(env, 3)
 
 

@@ -83,8 +83,8 @@ def run_worker(options: WorkerOptions, *, on_start: Callable[[Requeued, list[str
             worked = worker.work(burst=options.burst, logging_level=options.log_level) or worked
             # A burst worker finishes what the database holds, not only what Redis delivered:
             # jobs lost while Redis was away are re-enqueued and served before it stops.
-            if not options.burst or worker._stop_requested or not recover(engine, connection, me=me,
-                                                                         lease_s=options.lease_s, holding=()).total:
+            if not options.burst or worker.asked_to_stop or not recover(engine, connection, me=me,
+                                                                       lease_s=options.lease_s, holding=()).total:
                 break
         return worked
     finally:

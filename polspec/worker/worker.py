@@ -96,6 +96,12 @@ class PolspecWorker(SimpleWorker):
         # pid namespace too, to tell a job whose worker was killed before its claim.
         self.hostname = this_host()
 
+    @property
+    def asked_to_stop(self) -> bool:
+        """Whether a stop was asked for (Ctrl+C, SIGTERM): RQ records it as a stop requested only
+        while a job runs, and between jobs, e.g. as a dequeued job's item is read, ends its loop."""
+        return self._stop_requested or self._shutdown_requested_date is not None
+
     def get_heartbeat_ttl(self, job: Job, working_time: float = 0.0) -> int:
         # The heartbeat thread renews the entry every interval, so it only has to outlive one
         # interval plus a grace; SimpleWorker's own choice (the whole job timeout) would keep
