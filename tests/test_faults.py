@@ -183,7 +183,8 @@ def test_a_sigterm_as_a_dequeued_job_is_read_stops_a_burst_worker(env, monkeypat
     def interrupted(self, job):
         if signals:  # it went on serving after the stop: a cold stop ends it (and fails the test)
             raise SystemExit("served a job after SIGTERM")
-        signals.append(os.kill(os.getpid(), signal.SIGTERM))  # one SIGTERM, as a user sends it
+        signals.append(signal.SIGTERM)  # first: the handler raises as soon as the signal is sent
+        os.kill(os.getpid(), signal.SIGTERM)  # one SIGTERM, as a user sends it
         return batching(self, job)
 
     monkeypatch.setattr(PolspecWorker, "_batching", interrupted)
