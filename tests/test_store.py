@@ -29,12 +29,17 @@ from sqlalchemy.orm import Session
 from polspec.cli import main
 from polspec.cli.db import db
 from polspec.cli.results import _window_line
+from polspec.decoding.params import DecodingParams
 from polspec.errors import DatabaseFailure, PolspecError
+from polspec.jobs.datasets import load_dataset
+from polspec.jobs.enqueue import enqueue_generate
+from polspec.jobs.spec import GenerateSpec
 from polspec.jobs.control import cancel
 from polspec.store.engine import display_url, make_engine, session_scope, sqlite_file
 from polspec.store.energy_windows import close_energy_window, open_energy_window
 from polspec.store.items import (
     Worker,
+    cancelled_items,
     claim_item,
     database_id,
     fail_item,
@@ -320,6 +325,29 @@ def test_sqlite_transactions_take_the_write_lock_at_begin(tmp_path: Path, monkey
         engine.dispose()
 
 
+def test_a_worker_s_reads_go_on_while_another_process_writes_for_long(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A large sweep's enqueue holds SQLite's write lock for minutes: a worker's once-a-second
+    cancel check, taking it too, failed after the busy timeout and dropped every item the
+    worker was decoding; the progress bar beside it failed alike."""
+    url = sqlite_url(tmp_path)
+    upgrade(url)
+    monkeypatch.setenv("POLSPEC_DB_BUSY_TIMEOUT_MS", "100")
+    worker, enqueue = make_engine(url), make_engine(url)
+    with session_scope(worker) as session:
+        batch = new_batch(session)
+        item_id = new_item(session, batch, "a").id
+    with session_scope(enqueue) as writing:
+        writing.add(Batch(kind="sweep", spec={}))
+        writing.flush()
+        assert cancelled_items(worker, [item_id, item_id + 1]) == {item_id + 1}  # the second is no item
+        assert [(row.id, row.status) for row in batch_progress(worker)] == [(batch.id, "queued")]
+        with pytest.raises(DatabaseFailure, match="locked"):  # a write waits for it, as it must
+            claim_item(worker, item_id, Worker("host", 1), 60)
+    for engine in (worker, enqueue):
+        engine.dispose()
+
+
 def _read_then_write(url: str, rounds: int) -> None:
     engine = make_engine(url)
     for _ in range(rounds):
@@ -419,6 +447,15 @@ def test_a_database_url_whose_port_is_no_number_is_one_line() -> None:
     result = CliRunner().invoke(main, ["status"], env={"POLSPEC_DB_URL": "postgresql://u:pw@h:notaport/db"})
     assert result.exit_code == 1 and result.output.count("\n") == 1, result.output
     assert result.output.startswith("polspec: error: not a database URL (POLSPEC_DB_URL): ")
+
+
+def test_a_database_url_option_the_driver_refuses_is_one_line(db_url: str) -> None:
+    """SQLite's driver refused `?timeout=abc` as the engine was made, psycopg an unknown option
+    (`?sslmod=`, a typo) as it connected: tracebacks."""
+    url = db_url + ("?timeout=abc" if db_url.startswith("sqlite") else "?sslmod=require")
+    result = CliRunner().invoke(main, ["db", "upgrade"], env={"POLSPEC_DB_URL": url})
+    assert result.exit_code == 1 and result.output.count("\n") == 1, result.output
+    assert result.output.startswith(f"polspec: error: database {display_url(url)}: ")
 
 
 # --- schema contract ----------------------------------------------------------------------
@@ -576,6 +613,34 @@ def test_two_workers_finishing_a_batch_s_last_items_at_once_leave_it_done(engine
     finishing.join()
     with session_scope(engine) as session:
         assert session.get(Batch, batch.id).status == "done"
+
+
+def test_an_enqueue_by_name_reads_its_batch_after_a_finish_that_settles_it(db_url: str, redis_url: str) -> None:
+    """On PostgreSQL the enqueue read the named batch unlocked: running, as its last item
+    finished and made it done; the items it added stayed queued in a batch that read done, and
+    a script waiting for done stopped early."""
+    upgrade(db_url)
+    engine = make_engine(db_url)
+    params = DecodingParams(max_tokens=8)
+    prompts, spec = load_dataset("pl-short", params, 2), GenerateSpec("gemma3-270m", None, params, None, "dataset:pl-short")
+    batch_id = enqueue_generate(spec, prompts[:1], "nightly", db_url=db_url, queue_url=redis_url).batch_id
+    with session_scope(engine) as session:
+        item_id = session.scalar(select(Item.id).where(Item.batch_id == batch_id))
+    claim_item(engine, item_id, Worker("host", 1))
+    adding = threading.Thread(target=lambda: enqueue_generate(spec, prompts, "nightly", db_url=db_url,
+                                                              queue_url=redis_url))
+    with session_scope(engine) as session:  # the item's finish, held open as the enqueue starts
+        item = session.scalar(select(Item).where(Item.id == item_id).with_for_update())
+        session.add(new_result(item))
+        item.status = "done"
+        settle_batch(session, item.batch)
+        adding.start()
+        wait_until_blocked(engine, adding)
+    adding.join()
+    with session_scope(engine) as session:
+        statuses = session.scalars(select(Item.status).where(Item.batch_id == batch_id).order_by(Item.id)).all()
+        assert (session.get(Batch, batch_id).status, statuses) == ("queued", ["done", "queued"])
+    engine.dispose()
 
 
 def test_a_generated_nul_character_does_not_lose_the_result(engine: Engine) -> None:
@@ -740,7 +805,7 @@ def test_a_worker_in_another_pid_namespace_keeps_its_item_while_its_lease_runs(e
     if shutil.which("unshare") is None:
         pytest.skip("needs unshare (util-linux) to run a process in a pid namespace of its own")
     seen = subprocess.run(["unshare", "--pid", "--fork", sys.executable, "-c",
-                           "from polspec.store.items import this_host; print(this_host())"],
+                           "from polspec.processes import this_host; print(this_host())"],
                           capture_output=True, text=True)
     if seen.returncode != 0:
         pytest.skip(f"cannot make a pid namespace here: {seen.stderr.strip()}")

@@ -14,6 +14,7 @@ from rich.text import Text
 from polspec.cli.console import output_console
 from polspec.cli.progress import progress_bar
 from polspec.errors import PolspecError
+from polspec.files import user_path
 from polspec.models.registry import ModelEntry, TokenizerEntry, load_registry
 
 # Below this share of the target's Polish tokens, speculative sampling's acceptance is visibly
@@ -118,7 +119,7 @@ def import_(path: Path, name: str, tokenizer_family: str | None) -> None:
     registry = load_registry()
     if name in registry.models:
         raise PolspecError(f"alias {name!r} already exists; choose another --name")
-    path = path.expanduser().resolve()
+    path = user_path(path).resolve()
     with progress_bar(name) as report:
         directory = import_gguf_file(path, progress=report)
     info = json.loads((directory / "polspec-import.json").read_text())

@@ -71,18 +71,19 @@ class Requeued:
         said = []
         if self.total:
             reasons = ", ".join(f"{count} {reason}" for reason, count in self.reasons.items())
-            said.append(f"re-enqueued {_items(self.total)} ({reasons})")
+            said.append(f"re-enqueued {counted(self.total)} ({reasons})")
         if self.failed:
-            said.append(f"failed {_items(self.failed)} whose worker stopped while running "
+            said.append(f"failed {counted(self.failed)} whose worker stopped while running "
                         f"{'it' if self.failed == 1 else 'them'}, {1 + RETRIES} times (killed for memory?)")
         if self.cancelled:
-            said.append(f"marked {_items(self.cancelled)} of cancelled batches cancelled, whose worker stopped "
+            said.append(f"marked {counted(self.cancelled)} of cancelled batches cancelled, whose worker stopped "
                         f"while running {'it' if self.cancelled == 1 else 'them'}")
         return "; ".join(said)
 
 
-def _items(count: int) -> str:
-    return f"{count} item" if count == 1 else f"{count} items"
+def counted(count: int, noun: str = "item") -> str:
+    """``count`` and ``noun``, plural where the count asks for it: "1 item", "2 failed items"."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
 
 
 def recover(engine: Engine, connection: redis.Redis, batch_id: int | None = None,
@@ -164,7 +165,7 @@ def _starter_gone(connection: redis.Redis, worker_name: str | None, me: Worker) 
     by, so a burst run ended without the item. Stopped: RQ's record of the worker is gone (it
     expires minutes after the worker's last heartbeat) or records its death, or it names this
     host and a dead pid (a polspec worker records the host as
-    :func:`~polspec.store.items.this_host` names it). A record without host or pid (RQ rebuilds
+    :func:`~polspec.processes.this_host` names it). A record without host or pid (RQ rebuilds
     one from a heartbeat alone after it expired, e.g. while Redis was away) says nothing: left
     to RQ, as a job of a live worker must be."""
     if not worker_name:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from polspec.decoding.params import DecodingParams
 from polspec.errors import PolspecError
+from polspec.files import user_path
 from polspec.jobs.spec import ItemInput, parse_items, parse_jsonl
 
 DATASETS = {
@@ -62,7 +63,7 @@ def load_dataset(name: str, base: DecodingParams, limit: int | None = None, *,
 def dataset_file(name: str, relative_to: Path | None = None) -> Path:
     """The file a ``.jsonl`` dataset name reads: ``~`` expanded, a relative path taken from
     ``relative_to`` where given."""
-    path = Path(name).expanduser()
+    path = user_path(name)
     return relative_to / path if relative_to is not None and not path.is_absolute() else path
 
 

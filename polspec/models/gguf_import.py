@@ -21,7 +21,6 @@ import importlib
 import json
 import re
 import shutil
-import tempfile
 from pathlib import Path
 
 from polspec import backend  # noqa: F401  (before mlx: the Linux BLAS fix)
@@ -32,7 +31,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from polspec.errors import PolspecError
-from polspec.models.fetch import ProgressFn, move_into_cache, no_progress
+from polspec.models.fetch import ProgressFn, move_into_cache, no_progress, work_dir
 from polspec.models.files import IMPORT_FORMAT, require_gguf_magic
 
 SHARD_BYTES = 2 << 30
@@ -97,14 +96,18 @@ def architecture_of(meta: dict, path: Path) -> str:
     return arch
 
 
-def build_config(arch: str, meta: dict, tensor_names: set[str]) -> dict:
-    """The mlx-lm (and transformers-compatible) config for this file."""
+def build_config(arch: str, meta: dict, tensor_names: set[str], path: Path) -> dict:
+    """The mlx-lm (and transformers-compatible) config for the file ``path``."""
 
     def key(name: str, default=None):
         value = meta.get(f"{arch}.{name}", default)
         if value is None:
-            raise PolspecError(f"GGUF metadata lacks {arch}.{name}")
+            raise PolspecError(f"{path}: GGUF metadata lacks {arch}.{name}")
         return value
+
+    if "tokenizer.ggml.tokens" not in meta:
+        raise PolspecError(f"{path}: no tokenizer in this GGUF (tokenizer.ggml.tokens): polspec imports whole "
+                           "models, not adapters or weights alone")
 
     heads = key("attention.head_count")
     hidden = key("embedding_length")
@@ -126,7 +129,8 @@ def build_config(arch: str, meta: dict, tensor_names: set[str]) -> dict:
         "eos_token_id": eos,
     }
     if "rope_freqs.weight" in tensor_names:
-        raise PolspecError("GGUF files with a rope_freqs tensor (Llama-3 rope scaling) are not supported yet")
+        raise PolspecError(f"{path}: GGUF files with a rope_freqs tensor (Llama-3 rope scaling) are not "
+                           "supported yet")
     scaling = meta.get(f"{arch}.rope.scaling.type")
     if scaling and scaling != "none":
         config["rope_scaling"] = {"type": scaling, "rope_type": scaling, "factor": key("rope.scaling.factor")}
@@ -260,11 +264,13 @@ def import_gguf(path: Path, dest: Path, sha256: str, progress: ProgressFn = no_p
     meta = metadata(reader)
     arch = architecture_of(meta, path)
     tensor_names = {t.name for t in reader.tensors}
-    config = build_config(arch, meta, tensor_names)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=".import-", dir=dest.parent))
+    config = build_config(arch, meta, tensor_names, path)
     try:
         tokenizer = build_tokenizer(arch, meta)
+    except Exception as error:  # transformers' converter raises what it meets in the file's metadata
+        raise PolspecError(f"{path}: cannot build its tokenizer ({type(error).__name__}: {error})") from None
+    work = work_dir(dest.parent, "import")
+    try:
         tokenizer.save_pretrained(work)
         _write_weights(arch, config, reader, work, progress)
         (work / "config.json").write_text(json.dumps(config, indent=2))

@@ -16,7 +16,7 @@ from pathlib import Path
 from polspec.decoding.params import MAX_DRAFT_VOCAB, MIN_DRAFT_VOCAB
 from polspec.errors import PolspecError, not_utf8, past_parser_limits
 from polspec.files import file_lock, write_file_atomically
-from polspec.models.sources import WheelSource, parse_source
+from polspec.models.sources import WheelSource, is_sha256, parse_source
 from polspec.settings import user_registry_file
 
 TOKENIZER_PREFIX = "tok:"
@@ -104,6 +104,8 @@ def _check_keys(where: str, alias: str, table: object, allowed: set[str]) -> Non
         if wanted is not None and not isinstance(value, wanted):
             what = {str: "text", bool: "true or false", list: "a list of texts"}[wanted]
             raise PolspecError(f"{where}: [{alias}] {key} must be {what}, got {value!r}")
+    if "sha256" in table and not is_sha256(table["sha256"].lower()):
+        raise PolspecError(f"{where}: [{alias}] sha256 must be 64 hexadecimal digits, got {table['sha256']!r}")
     if not all(isinstance(token, str) for token in table.get("eos_tokens", [])):
         raise PolspecError(f"{where}: [{alias}] eos_tokens must be a list of texts, got {table['eos_tokens']!r}")
     try:
@@ -198,6 +200,12 @@ def _append_model(entry: ModelEntry, user_file: Path) -> None:
     if entry.sha256:
         lines.append(f"sha256 = {_toml_string(entry.sha256)}")
     text = existing + "\n".join(lines) + "\n"
+    try:
+        parse_registry(text, str(user_file))
+    except PolspecError:  # TOML forbids a [models.NAME] table after an inline `models = { ... }`
+        raise PolspecError(f"{user_file}: cannot add a [models.{entry.alias}] table to it: it writes its models "
+                           "inline (models = { ... }); write each as a [models.NAME] table and import again (the "
+                           "import itself is cached)") from None
     write_file_atomically(user_file, lambda out: out.write(text))  # a crash cannot cut the user's file short
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from polspec.errors import PolspecError
+from polspec.files import user_path
 
 _WHEEL_PART = re.compile(r"^(?P<package>[A-Za-z0-9][A-Za-z0-9._-]*)==(?P<version>[^#+\s]+)#(?P<path>[^+\s]+)$")
 
@@ -58,6 +59,11 @@ class WheelSource:
 Source = HfSource | DirSource | GgufSource | WheelSource
 
 
+def is_sha256(value: object) -> bool:
+    """Whether ``value`` is a sha256 as the cache names files by it: 64 lowercase hexadecimal digits."""
+    return isinstance(value, str) and re.fullmatch(r"[0-9a-f]{64}", value) is not None
+
+
 def parse_source(text: str) -> Source:
     """Parse a source string; a malformed one is a :class:`PolspecError` naming it."""
     scheme, sep, rest = text.partition(":")
@@ -66,9 +72,9 @@ def parse_source(text: str) -> Source:
     if scheme == "hf":
         return HfSource(rest)
     if scheme == "dir":
-        return DirSource(Path(rest).expanduser())
+        return DirSource(user_path(rest))
     if scheme == "gguf":
-        return GgufSource(Path(rest).expanduser())
+        return GgufSource(user_path(rest))
     if scheme == "wheel":
         parts = []
         for piece in rest.split("+"):

@@ -23,10 +23,11 @@ from urllib.parse import quote
 
 from sqlalchemy import URL, Engine, create_engine, event, make_url
 from sqlalchemy.engine import ExceptionContext
-from sqlalchemy.exc import ArgumentError, NoSuchModuleError, OperationalError
+from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError, OperationalError
 from sqlalchemy.orm import Session
 
 from polspec.errors import DatabaseFailure, DatabaseProblem, PolspecError
+from polspec.files import user_path
 from polspec.settings import database_url, db_busy_timeout_ms
 
 
@@ -95,6 +96,8 @@ def make_engine(url: str | URL | None = None, *, readonly: bool = False) -> Engi
         engine = create_engine(parsed, **options)
     except (ImportError, NoSuchModuleError) as error:
         raise DatabaseProblem(shown, f"no driver for it is installed ({error})") from error
+    except (ValueError, TypeError) as error:  # an option of the URL's query the driver cannot read
+        raise DatabaseProblem(shown, f"an option of the URL is wrong ({error})") from error
 
     @event.listens_for(engine, "handle_error")
     def _to_polspec_error(context: ExceptionContext) -> None:
@@ -104,7 +107,12 @@ def make_engine(url: str | URL | None = None, *, readonly: bool = False) -> Engi
         # So is a file that is no SQLite database, or a damaged one, though SQLite says it
         # through a plain DatabaseError.
         damaged = getattr(context.original_exception, "sqlite_errorname", "") in ("SQLITE_NOTADB", "SQLITE_CORRUPT")
-        if context.is_pre_ping or not (isinstance(context.sqlalchemy_exception, OperationalError) or damaged):
+        # Connecting, the driver refuses what the URL asks (PostgreSQL's `?sslmod=` typo) with a
+        # ProgrammingError; a role that may not read or write a table gets SQLSTATE 42501.
+        connecting = context.connection is None and isinstance(context.sqlalchemy_exception, DBAPIError)
+        refused = getattr(context.original_exception, "sqlstate", None) == "42501"
+        if context.is_pre_ping or not (isinstance(context.sqlalchemy_exception, OperationalError) or damaged
+                                       or connecting or refused):
             return
         reason = " ".join(str(context.original_exception).split())
         if sqlite and "locked" in reason:
@@ -117,13 +125,20 @@ def make_engine(url: str | URL | None = None, *, readonly: bool = False) -> Engi
 
 
 @contextmanager
-def session_scope(engine: Engine) -> Iterator[Session]:
+def session_scope(engine: Engine, *, reads_only: bool = False) -> Iterator[Session]:
     """A session in one transaction: committed when the block ends, rolled back if it raises.
 
-    Objects stay readable after the commit (``expire_on_commit=False``).
+    Objects stay readable after the commit (``expire_on_commit=False``). ``reads_only``: the
+    block only reads, so on SQLite it takes no write lock, and another process writing for
+    longer than the busy timeout (a large sweep's enqueue, a migration) does not make it fail;
+    a worker's once-a-second cancel check failing so dropped every item it was decoding.
     """
-    with Session(engine, expire_on_commit=False) as session, session.begin():
+    bind = engine.execution_options(**{_READS_ONLY: True}) if reads_only else engine
+    with Session(bind, expire_on_commit=False) as session, session.begin():
         yield session
+
+
+_READS_ONLY = "polspec_reads_only"
 
 
 def sqlite_file(url: URL) -> Path | None:
@@ -152,7 +167,7 @@ def parse_url(url: str | URL | None = None) -> URL:
         raise PolspecError(f"not a database URL{where}: {error}") from error
     if parsed.get_backend_name() == "sqlite" and (parsed.database or "").startswith("~"):
         # sqlite:///~/wyniki.db means the home directory, as in a shell, not a folder named "~"
-        parsed = parsed.set(database=str(Path(parsed.database).expanduser()))
+        parsed = parsed.set(database=str(user_path(parsed.database)))
     # A bare postgresql:// means psycopg2 to SQLAlchemy; polspec ships psycopg 3.
     return parsed.set(drivername="postgresql+psycopg") if parsed.drivername == "postgresql" else parsed
 
@@ -174,11 +189,13 @@ def _set_up_sqlite(engine: Engine, *, timeout_ms: int, readonly: bool) -> None:
         if readonly:  # mode=ro covers the database file, not another one ATTACH would create
             dbapi_connection.set_authorizer(_refuse_attach)
 
-    begin = "BEGIN" if readonly else "BEGIN IMMEDIATE"
-
+    # A writer's transaction takes the write lock at once: one that read first and wrote later
+    # could not get it while another held it, and would fail at once, whatever the busy timeout.
+    # A reader's needs none: in WAL mode it reads beside a writer without waiting.
     @event.listens_for(engine, "begin")
     def _on_begin(connection) -> None:
-        connection.exec_driver_sql(begin)
+        reads_only = readonly or connection.get_execution_options().get(_READS_ONLY, False)
+        connection.exec_driver_sql("BEGIN" if reads_only else "BEGIN IMMEDIATE")
 
 
 def _refuse_attach(action: int, *_) -> int:

@@ -11,7 +11,6 @@ and a result is written at most once (the ``results.item_id`` unique key backs t
 from __future__ import annotations
 
 import os
-import socket
 import uuid
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -20,16 +19,13 @@ from typing import Any
 from sqlalchemy import ColumnElement, Engine, func, select, update
 from sqlalchemy.orm import Session
 
+from polspec.processes import pid_alive, this_host
 from polspec.store.engine import session_scope
 from polspec.store.schema import Batch, Item, Meta, Result, Status, utcnow
 
 DEFAULT_LEASE_S = 60.0
 UNFINISHED = (Status.QUEUED.value, Status.RUNNING.value)
 NUL_STAND_IN = "\ufffd"  # what a stored result has for U+0000 (see without_nul)
-
-
-# The Linux kernel's fixed inode for the machine's own pid namespace (PROC_PID_INIT_INO).
-MACHINE_PID_NAMESPACE = "pid:[4026531836]"
 
 
 @dataclass(frozen=True)
@@ -53,19 +49,6 @@ class Worker:
         return (item.worker_host, item.worker_pid) == (self.host, self.pid)
 
 
-def this_host() -> str:
-    """The host name, followed on Linux by the pid namespace when it is not the machine's own.
-    Containers that share the host's network share its name but not its pids: without the
-    namespace a worker in one would look up another's pid in its own table, find it dead and
-    take over items that are still running."""
-    name = socket.gethostname()
-    try:
-        namespace = os.readlink("/proc/self/ns/pid")
-    except OSError:  # no /proc (macOS)
-        return name
-    return name if namespace == MACHINE_PID_NAMESPACE else f"{name} {namespace}"
-
-
 def database_id(engine: Engine) -> str:
     """The database's random id (made by the migration that created ``polspec_meta``)."""
     with session_scope(engine) as session:
@@ -74,16 +57,6 @@ def database_id(engine: Engine) -> str:
             row = Meta(key="database_id", value=uuid.uuid4().hex[:12])
             session.add(row)
         return row.value
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    return True
 
 
 def database_now(session: Session) -> datetime:
@@ -169,7 +142,7 @@ class Pairing:
 def item_pairings(engine: Engine, item_ids: list[int]) -> dict[int, Pairing]:
     """The pairing of each item that exists and may still run (queued, or running elsewhere);
     a read, so that a worker can choose its batch's next items before claiming them."""
-    with session_scope(engine) as session:
+    with session_scope(engine, reads_only=True) as session:
         items = session.scalars(select(Item).where(Item.id.in_(item_ids), Item.status.in_(UNFINISHED)))
         return {item.id: Pairing((spec := item_spec(item))["target"], spec.get("draft"), spec.get("batch"),
                                  item.cell_id) for item in items}
@@ -188,7 +161,7 @@ def renew_leases(engine: Engine, item_ids: list[int], me: Worker) -> int:
 
 def cancelled_items(engine: Engine, item_ids: list[int]) -> set[int]:
     """Which of these items (or their batches) are cancelled, or gone from the database."""
-    with session_scope(engine) as session:
+    with session_scope(engine, reads_only=True) as session:
         live = dict(session.execute(
             select(Item.id, Batch.status).join(Batch)
             .where(Item.id.in_(item_ids), Item.status != Status.CANCELLED.value)).all())
@@ -273,15 +246,22 @@ def max_tokens() -> ColumnElement[int]:
 def reopen_items(session: Session, batch: Batch, statuses: tuple[Status, ...]) -> list[tuple[int, int]]:
     """Mark a batch's items of these statuses queued again, with their count of stopped workers
     cleared, reopening the batch (cancelled or finished) when there are any; returns them as
-    (item id, max_tokens) for their jobs."""
+    (item id, max_tokens) for their jobs, by id."""
+    # By the condition, not the ids: a sweep's may be more than SQLite takes in one statement.
+    # Stops from 0: an item failed for stopping its worker on every try gets as many tries again.
     chosen = (Item.batch_id == batch.id, Item.status.in_([status.value for status in statuses]))
-    rows = session.execute(select(Item.id, max_tokens()).where(*chosen)).all()
-    if rows:  # by the condition, not the ids: a sweep's may be more than SQLite takes in one statement
-        # stops from 0: an item failed for stopping its worker on every try gets as many tries again
-        session.execute(update(Item).where(*chosen).values(status=Status.QUEUED.value, finished_at=None, stops=0))
+    reopen = update(Item).where(*chosen).values(status=Status.QUEUED.value, finished_at=None, stops=0)
+    if session.get_bind().dialect.update_returning:
+        # One statement: on PostgreSQL an item failing between a read and an update would be
+        # reopened without a job.
+        rows = session.execute(reopen.returning(Item.id, max_tokens())).all()
+    else:  # SQLite before 3.35, whose write lock, taken at BEGIN, keeps the two statements alike
+        rows = session.execute(select(Item.id, max_tokens()).where(*chosen)).all()
+        session.execute(reopen)
+    if rows:
         batch.status = Status.RUNNING.value  # no longer cancelled: settle_batch judges it by its items
         settle_batch(session, batch)
-    return [(item_id, tokens) for item_id, tokens in rows]
+    return sorted((item_id, tokens) for item_id, tokens in rows)  # by id, the enqueue order
 
 
 def settle_batch(session: Session, batch: Batch) -> None:

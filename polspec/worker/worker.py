@@ -51,7 +51,8 @@ from polspec.errors import DatabaseFailure, PolspecError
 from polspec.jobs.control import recover
 from polspec.jobs.queue import JOB_FUNCTION
 from polspec.store.engine import session_scope
-from polspec.store.items import Pairing, item_pairings, renew_leases, this_host
+from polspec.processes import this_host
+from polspec.store.items import Pairing, item_pairings, renew_leases
 from polspec.worker import HEARTBEAT_GRACE_S, HEARTBEAT_INTERVAL_S, context
 from polspec.worker.batching import BatchRun, job_item
 
