@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 from collections import Counter
 
 import mlx.core as mx
@@ -224,6 +225,24 @@ def test_cli_rejects_bad_parameters_in_one_line(args, message):
     result = CliRunner().invoke(main, ["generate", "Kraków jest", "--draft", "smollm2-135m", *args])
     assert result.exit_code == 1
     assert result.output == f"polspec: error: {message}\n"
+
+
+@pytest.mark.slow
+def test_target_only_decode_time_leaves_out_the_callers_work_between_tokens(gemma3):
+    """It timed the caller's work between tokens too (a worker's progress writes, a terminal's
+    printing), where the speculative decoder sums its own phases: reported speedups leaned
+    toward speculation."""
+    metrics, inside = DecodeMetrics(), 0.0  # inside: the time the decoder held the thread
+    tokens = stream(gemma3, None, "Stolicą Polski jest", DecodingParams(max_tokens=2), metrics, chat=False)
+    while True:
+        clock = time.perf_counter()
+        commit = next(tokens, None)
+        inside += time.perf_counter() - clock
+        if commit is None:
+            break
+        time.sleep(1.5)
+    assert metrics.generated_tokens == 2 and metrics.decode_s > 0
+    assert metrics.prefill_s + metrics.decode_s <= inside, (metrics.prefill_s, metrics.decode_s, inside)
 
 
 @pytest.mark.slow

@@ -114,6 +114,14 @@ def test_an_export_to_standard_output_is_utf_8_whatever_the_locale(sqlite_env, b
                              str(batch)], capture_output=True, env=latin2)
     assert result.returncode == 0, result.stderr
     assert "„Pana Tadeusza”" in result.stdout.decode("utf-8")
+    # Tables and text for the terminal itself: what it cannot show is replaced, not a traceback
+    # (status's bar is drawn in block characters, which ISO-8859-2 lacks; short-003 holds „ and ”).
+    for args in (["status"], ["results", "list"], ["results", "show", str(batch), "short-003"],
+                 ["results", "sql", "SELECT prompt FROM items"]):
+        shown = subprocess.run([sys.executable, "-c", "from polspec.cli import main; main()", *args],
+                               capture_output=True, env=latin2)
+        assert shown.returncode == 0 and shown.stderr == b"", (args, shown.stderr)
+        assert "?Pana Tadeusza?" in shown.stdout.decode("iso8859-2") or args[-1] in ("status", "list"), (args, shown)
 
 
 def test_an_output_of_a_dash_is_standard_output_and_exports_say_what_decoded_each_item(sqlite_env, batch, tmp_path, monkeypatch):
@@ -260,6 +268,37 @@ def test_the_read_only_query_cannot_create_a_file_or_run_nothing(sqlite_env, bat
                                     "them apart with AS\n")
 
 
+def test_items_of_every_batch_are_listed_the_newest_batch_first(sqlite_env, batch):
+    """As status lists batches: the oldest batch's first items filled the default 20 rows."""
+    newer = json.loads(cli(sqlite_env, "enqueue", "generate", "--dataset", "pl-wiki", "--limit", "2", "--json")[1])
+    result = CliRunner().invoke(main, ["results", "list", "--json", "--limit", "3"], env=sqlite_env)
+    rows = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [(row["batch"], row["id"]) for row in rows] == [(newer["batch"], "wiki-001"), (newer["batch"], "wiki-002"),
+                                                           (batch, "short-001")]
+    assert result.stderr == "the first 3 items, the newest batch first; --limit 0 shows all\n"
+
+
+def test_an_output_extension_that_names_no_format_is_noted(sqlite_env, batch, tmp_path):
+    """wyniki.tsv was written as JSON lines without a word."""
+    target = tmp_path / "wyniki.tsv"
+    result = CliRunner().invoke(main, ["results", "export", str(batch), "--output", str(target)], env=sqlite_env)
+    assert result.exit_code == 0 and result.stderr.startswith(
+        f"note: {target}: .tsv names none of the formats (csv, jsonl): writing jsonl; --format chooses\n")
+    assert [json.loads(line)["status"] for line in target.read_text(encoding="utf-8").splitlines()] == ["queued"] * 3
+
+
+def test_sql_as_json_gives_numbers_as_numbers_on_either_database(any_db_env):
+    """PostgreSQL returns an average or a rounding as numeric: it went out as the string
+    "2.0000000000000000" where SQLite's went out as 2.0."""
+    code, output = cli(any_db_env, "enqueue", "generate", "--dataset", "pl-short", "--limit", "3", "--json")
+    assert code == 0, output
+    code, output = cli(any_db_env, "results", "sql", "SELECT avg(id) AS mean, round(avg(id) / 4, 2) AS quarter, "
+                                                     "max(created_at) AS newest FROM items", "--json")
+    row = json.loads(output)
+    assert code == 0 and (row["mean"], row["quarter"]) == (2, 0.5) and not isinstance(row["quarter"], str), row
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d[T ]\d\d:\d\d:\d\d.*", row["newest"]), row
+
+
 # Runs the CLI commands given as JSON, printing each one's exit code and output as JSON.
 COMMANDS_AS_JSON = """
 import json, sys
@@ -351,7 +390,7 @@ def test_a_full_stdout_is_one_line_and_a_failure(sqlite_env, batch, args):
 
 def test_a_cut_list_says_so_and_a_report_names_a_batch_that_is_no_sweep(sqlite_env, batch):
     code, output = cli(sqlite_env, "results", "list", "--limit", "2", "--json")
-    assert code == 0 and output.count("\n") == 3 and "the first 2 items; --limit 0 shows all" in output
+    assert code == 0 and output.count("\n") == 3 and "the first 2 items, the newest batch first; --limit 0 shows all" in output
     code, output = cli(sqlite_env, "results", "list", "--limit", "3", "--json")
     assert code == 0 and output.count("\n") == 3 and "--limit 0" not in output
     code, output = cli(sqlite_env, "results", "list", "--limit", str(2**63 - 1))  # the database's integers end there

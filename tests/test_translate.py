@@ -37,6 +37,23 @@ def test_raw_bytes_rebuild_the_text(tables):
         assert raw in (text.encode(), b" " + text.encode()), alias  # SentencePiece may add its dummy space
 
 
+@pytest.mark.parametrize("strategy", ["aligned", "context", "naive"])
+def test_an_id_past_the_tokenizer_reads_as_a_special_token(tables, strategy):
+    """A model's padding rows past its tokenizer (Qwen2.5 from the hub: 151,936 against 151,665)
+    can be sampled: the round's bookkeeping raised IndexError where the target-only decode
+    goes on."""
+    target, draft = tables["gemma3-270m"], tables["smollm2-135m"]
+    words, past = draft.encode(" Płynie Wisła".encode()), len(draft.raw) + 7
+    assert draft.is_special(past) and draft.text(words + [past]) == draft.text(words) == " Płynie Wisła".encode()
+    committed = target.encode("Przez Kraków".encode())
+    cut = translate_draft_to_target(strategy, draft, target, words + [past] + words, committed + [len(target.raw) + 3])
+    alone = translate_draft_to_target(strategy, draft, target, words, committed).candidates
+    assert all(token < len(target.raw) for token in cut.candidates) and target.text(cut.candidates)
+    # aligned proposes the target's end of text for a draft's special token; context reads the
+    # committed text's last tokens, the padding one among them.
+    assert strategy == "context" or cut.candidates == alone + [target.tokenizer.eos_token_id] * (strategy == "aligned")
+
+
 def test_complete_utf8_cuts_only_a_broken_tail():
     word = "źdźbło".encode()
     assert complete_utf8(word) == word

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import io
 import os
 import signal
 import sys
@@ -48,6 +49,10 @@ class PolspecGroup(click.Group):
         # instead of leaving it in the cache. The worker installs its own handlers over this.
         if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
             signal.signal(signal.SIGTERM, _terminated)
+        if isinstance(sys.stdout, io.TextIOWrapper):
+            # A terminal in a locale without „ or a table's lines (Latin-2): shown as ?, not a
+            # traceback. Exports write UTF-8 whatever the locale (cli/results.utf8_stdout).
+            sys.stdout.reconfigure(errors="replace")
         try:
             _check_arguments(sys.argv[1:] if args is None else args)
         except PolspecError as error:

@@ -64,13 +64,14 @@ def cancel(batch_id: int) -> None:
       polspec cancel 3
     """
     from polspec.jobs.control import cancel as cancel_batch
+    from polspec.jobs.control import counted
 
     with _connections() as (engine, connection):
         count, already = cancel_batch(engine, connection, batch_id)
     if already and not count:
         click.echo(f"batch {batch_id} was cancelled already; polspec retry {batch_id} --cancelled resumes it")
         return
-    click.echo(f"batch {batch_id} cancelled ({count} queued {'item' if count == 1 else 'items'} dropped)")
+    click.echo(f"batch {batch_id} cancelled ({counted(count, 'queued item')} dropped)")
 
 
 @click.command()
@@ -88,6 +89,7 @@ def retry(batch_id: int, failed: bool, cancelled: bool) -> None:
       polspec retry 3 --failed
       polspec retry 3 --cancelled          resume a batch stopped with polspec cancel 3
     """
+    from polspec.jobs.control import counted
     from polspec.jobs.control import retry as retry_items
     from polspec.store.schema import Status
 
@@ -97,5 +99,5 @@ def retry(batch_id: int, failed: bool, cancelled: bool) -> None:
     which = " or ".join(status.value for status in statuses)
     with _connections() as (engine, connection):
         count = retry_items(engine, connection, batch_id, statuses)
-    click.echo(f"batch {batch_id}: {count} {which} {'item' if count == 1 else 'items'} queued again" if count
+    click.echo(f"batch {batch_id}: {counted(count, which + ' item')} queued again" if count
                else f"batch {batch_id} has no {which} items")

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
-from polspec.decoding.params import DRAFT_VOCAB, K_POLICIES, MAX_K, PARTIAL_WORD, STRATEGIES, STRATEGY_OPTIONS, VERIFY
+from polspec.decoding.params import DRAFT_VOCAB, K_POLICIES, MAX_K, PARTIAL_WORD, STRATEGIES, VERIFY, options_unread_by
 from polspec.errors import PolspecError
 
 DEFAULT_TARGET = "gemma3-270m"
@@ -60,12 +60,18 @@ def an_output_file(ctx: click.Context, param: click.Parameter, value):
 
 def output_format(ctx: click.Context, fmt: str, output: str | None) -> str:
     """The ``--format`` typed; left out, the one ``--output``'s extension names (``wyniki.csv``
-    is CSV) where it is one of the option's choices, else the option's default."""
+    is CSV) where it is one of the option's choices, else the option's default, with a note
+    where the extension names another (``wyniki.tsv`` is not written as tab-separated)."""
     if ctx.get_parameter_source("fmt") is ParameterSource.COMMANDLINE or output in (None, "-"):
         return fmt
     choices = next(param for param in ctx.command.params if param.name == "fmt").type.choices
     named = Path(output).suffix.lower().removeprefix(".")
-    return named if named in choices else fmt
+    if named in choices:
+        return named
+    if named:
+        click.echo(f"note: {output}: .{named} names none of the formats ({', '.join(choices)}): writing {fmt}; "
+                   "--format chooses", err=True)
+    return fmt
 
 
 def a_folder(ctx: click.Context, param: click.Parameter, value: str | None) -> Path | None:
@@ -183,8 +189,7 @@ def note_options_without_effect(ctx: click.Context, draft: str, sampling: bool, 
     typed = [name for name in ctx.params if ctx.get_parameter_source(name) is ParameterSource.COMMANDLINE]
     without_draft = [name for name in typed if name in DRAFT_OPTIONS] if draft == "none" else []
     greedy = [name for name in typed if name in SAMPLING_OPTIONS and name not in without_draft] if not sampling else []
-    unread = [name for name in typed if name in STRATEGY_OPTIONS and name not in without_draft
-              and not STRATEGY_OPTIONS[name] & set(strategies)]
+    unread = options_unread_by(strategies, [name for name in typed if name not in without_draft])
     named = ", ".join(sorted(strategies))
     for unused, reason in ((without_draft, "without a --draft"), (greedy, "at --temperature 0 (greedy decoding)"),
                            (unread, f"with --strategy {named}")):

@@ -9,6 +9,8 @@ import math
 import sys
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from datetime import date, datetime, time
+from decimal import Decimal
 from pathlib import Path
 from typing import TextIO
 
@@ -64,7 +66,8 @@ def list_command(batch_id: int | None, status: str | None, limit: int, as_json: 
         rows = list(item_rows(engine, batch_id, status, limit + 1 if limit else None))
     if limit and len(rows) > limit:
         rows = rows[:limit]
-        click.echo(f"the first {limit} items; --limit 0 shows all", err=True)
+        newest = "" if batch_id is not None else ", the newest batch first"
+        click.echo(f"the first {limit} items{newest}; --limit 0 shows all", err=True)
     if as_json:
         _json_lines(rows)
         return
@@ -258,9 +261,7 @@ def sql_command(query: str, as_json: bool) -> None:
         if twice is not None:  # an object keeps one value a key: the other column would vanish
             raise PolspecError(f"the query returns two columns named {twice!r}; for --json, name them apart "
                                "with AS")
-        # JSON has no infinities or NaN (SQLite has): they go out as text, as the table shows them
-        _json_lines(dict(zip(columns, [str(value) if isinstance(value, float) and not math.isfinite(value) else value
-                                       for value in row], strict=True)) for row in rows)
+        _json_lines(dict(zip(columns, map(_json_value, row), strict=True)) for row in rows)
         return
     table = Table()
     for column in columns:
@@ -268,6 +269,17 @@ def sql_command(query: str, as_json: bool) -> None:
     for row in rows:
         table.add_row(*("" if value is None else str(value) for value in row))
     output_console().print(table)
+
+
+def _json_value(value):
+    """A value of a query's row as JSON gives it on either database: PostgreSQL's numeric (an
+    average, a rounding) as a number, as SQLite's, not as a string; a time in ISO 8601. JSON has
+    no infinities or NaN (SQLite has): they go out as text, as the table shows them."""
+    if isinstance(value, Decimal):
+        value = int(value) if value.is_finite() and value == value.to_integral_value() else float(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value.isoformat() if isinstance(value, datetime | date | time) else value
 
 
 def _number(value, pattern: str) -> str:

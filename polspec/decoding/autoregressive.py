@@ -24,7 +24,9 @@ def generate_autoregressive(
     """Yield the target's tokens one at a time until EOS or ``params.max_tokens``.
 
     The last prompt token is fed with the first decode step, exactly as the speculative
-    decoder does, so prefill and decode times compare one to one.
+    decoder does, and ``decode_s`` sums the steps alone, as the speculative decoder sums its
+    phases, not the caller's work between tokens (a worker's progress writes, a terminal's
+    printing): prefill and decode times compare one to one.
     """
     seed = sequence_seed(params)
     sample = token_sampler(params, seed)
@@ -37,16 +39,15 @@ def generate_autoregressive(
     metrics.prefill_s = time.perf_counter() - start
     token = prompt[-1]
     metrics.finish_reason = "length"
-    start = time.perf_counter()
     while metrics.generated_tokens < params.max_tokens:
+        start = time.perf_counter()
         logits = target.model(mx.array([[token]]), cache=cache)[0, -1]
         token = sample(logits).item()
         metrics.rounds += 1
-        metrics.decode_s = time.perf_counter() - start
+        metrics.decode_s += time.perf_counter() - start
         if token in eos:
             metrics.finish_reason = "stop"
             break
         metrics.generated_tokens += 1
         yield Commit([token])
-    metrics.decode_s = time.perf_counter() - start
     metrics.peak_memory_gb = mx.get_peak_memory() / 1e9

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, fields
 
 from polspec.errors import PolspecError
@@ -25,6 +26,12 @@ MAX_SEED = 2**63 - 1
 # twenty digits is not queued with a job timeout no worker could set.
 MAX_TOKENS = 2**20
 VERIFY = ("auto", "exact", "tli")  # how a sampled round is verified, see polspec.decoding.speculative_sampling
+
+
+def options_unread_by(strategies: Iterable[str], names: Iterable[str]) -> list[str]:
+    """Of ``names``, the translation strategies' own options that none of ``strategies`` reads."""
+    used = set(strategies)
+    return [name for name in names if name in STRATEGY_OPTIONS and not STRATEGY_OPTIONS[name] & used]
 
 
 @dataclass(frozen=True)

@@ -323,7 +323,7 @@ def _draft_tokens_inside(draft: TokenBytes, proposal: list[int], target: TokenBy
     budget = len(target.text(accepted))
     count = 0
     for token in proposal:
-        size = len(draft.raw[token] or b"")
+        size = len(draft.piece(token) or b"")
         if size > budget or draft.is_special(token):
             break
         budget -= size

@@ -40,17 +40,25 @@ _PUNCTUATION_END = re.compile(rb"[!-/:-@\[-`{-~]$")
 
 @dataclass(frozen=True)
 class TokenBytes:
-    """The raw bytes of every token of one tokenizer (None for special tokens)."""
+    """The raw bytes of every token of one tokenizer (None for special tokens).
+
+    A model may have more output rows than its tokenizer has tokens (Qwen2.5's 151,936 against
+    151,665: padding). Sampled, such an id is read as a special token, with no text, as the
+    tokenizer's own decode reads it, not as an error in the middle of a generation."""
 
     tokenizer: PreTrainedTokenizerFast
     raw: tuple[bytes | None, ...]
 
+    def piece(self, token: int) -> bytes | None:
+        """The raw bytes of ``token``; None for a special token or one past the tokenizer's."""
+        return self.raw[token] if token < len(self.raw) else None
+
     def text(self, ids: list[int]) -> bytes:
         """Concatenated raw bytes of ``ids``; special tokens contribute nothing."""
-        return b"".join(self.raw[i] or b"" for i in ids)
+        return b"".join(self.piece(i) or b"" for i in ids)
 
     def is_special(self, token: int) -> bool:
-        return self.raw[token] is None
+        return self.piece(token) is None
 
     def encode(self, text: bytes) -> list[int]:
         """Token ids of ``text`` (whole UTF-8 characters), with no special tokens added."""
@@ -93,7 +101,7 @@ def complete_utf8(data: bytes) -> bytes:
 def _cumulative(table: TokenBytes, ids: list[int]) -> list[int]:
     ends, total = [0], 0
     for token in ids:
-        total += len(table.raw[token] or b"")
+        total += len(table.piece(token) or b"")
         ends.append(total)
     return ends
 
@@ -171,7 +179,7 @@ def window_start(table: TokenBytes, ids: list[int], window: int) -> int:
     """Start of a window of about ``window`` tokens, moved back to a token that starts a word."""
     start = max(0, len(ids) - window)
     for index in range(start, max(-1, start - 16), -1):
-        raw = table.raw[ids[index]] if index < len(ids) else None
+        raw = table.piece(ids[index]) if index < len(ids) else None
         if raw and _WORD_START.match(raw[:1]):
             return index
     return start

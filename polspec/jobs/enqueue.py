@@ -10,11 +10,14 @@ already queued, and the error says so.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import redis
 from sqlalchemy import Engine, delete, func, insert, select, update
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from polspec.errors import PolspecError
@@ -56,7 +59,7 @@ def enqueue_generate(spec: GenerateSpec, items: list[ItemInput], name: str | Non
     check_items_fit(spec, items)
     queue_url = queue_url or redis_url()
     connection = connect(queue_url)
-    with upgraded_database(db_url) as engine:
+    with upgraded_database(db_url) as engine, _named_once(name):
         batch_id, before, new_items, existing = _write_batch(engine, spec, items, name)
         _enqueue_or_undo(engine, connection, queue_url, queue_name(spec.target), new_items, batch_id, before)
         return Enqueued(batch_id, name, queue_name(spec.target), len(new_items), existing)
@@ -68,7 +71,10 @@ def _write_batch(engine: Engine, spec: GenerateSpec, items: list[ItemInput],
     max_tokens), and how many of ``items`` it had already."""
     wanted = spec.as_dict()
     with session_scope(engine) as session:
-        batch = session.scalar(select(Batch).where(Batch.name == name)) if name else None
+        # Locked, as a worker's finish and a cancel lock it (PostgreSQL; SQLite's write lock,
+        # taken at BEGIN, holds every writer off): read unlocked, a batch whose last item
+        # finished meanwhile read done with the items added here queued.
+        batch = session.scalar(select(Batch).where(Batch.name == name).with_for_update()) if name else None
         before = batch.status if batch is not None else None
         if batch is None:
             batch = Batch(kind="generate", name=name, spec=wanted)
@@ -97,6 +103,20 @@ def _write_batch(engine: Engine, spec: GenerateSpec, items: list[ItemInput],
         if rows and batch.status not in UNFINISHED:
             batch.status = Status.QUEUED.value
         return batch.id, before, [(row.id, row.params["max_tokens"]) for row in rows], len(items) - len(rows)
+
+
+@contextmanager
+def _named_once(name: str | None) -> Iterator[None]:
+    """A batch of this ``name`` made by another enqueue between this one's read and write (on
+    PostgreSQL; SQLite takes the two one after the other) is a one-line error: nothing of this
+    enqueue was written, and running it again adds to that batch."""
+    try:
+        yield
+    except IntegrityError as error:
+        if name is None or "uq_batches_name" not in str(error.orig):
+            raise
+        raise PolspecError(f"another enqueue made a batch named {name!r} at the same moment; nothing of this "
+                           "one was written: run it again to add to that batch") from None
 
 
 def _stored_prompts(session: Session, batch_id: int) -> dict[str, tuple[str | None, list | None]]:
@@ -184,8 +204,8 @@ def enqueue_sweep(plan: SweepPlan, *, db_url: str | None = None, queue_url: str 
     connection = connect(queue_url)
     name = queue_name(plan.spec.target)
     with upgraded_database(db_url) as engine:
-        with session_scope(engine) as session:
-            batch = session.scalar(select(Batch).where(Batch.name == plan.name))
+        with session_scope(engine) as session, _named_once(plan.name):
+            batch = session.scalar(select(Batch).where(Batch.name == plan.name).with_for_update())
             if batch is not None:
                 if batch.kind != "sweep":
                     raise PolspecError(f"a batch named {plan.name!r} (id {batch.id}) exists and is no sweep; "

@@ -54,7 +54,7 @@ from itertools import product
 from pathlib import Path
 from typing import Any
 
-from polspec.decoding.params import STRATEGY_OPTIONS, DecodingParams, is_whole_number
+from polspec.decoding.params import STRATEGY_OPTIONS, DecodingParams, is_whole_number, options_unread_by
 from polspec.errors import PolspecError, not_utf8, past_parser_limits
 from polspec.jobs.datasets import dataset_source, load_dataset
 from polspec.jobs.spec import GenerateSpec, ItemInput, check_items_fit, check_models, has_control_characters
@@ -238,8 +238,7 @@ def _notes(config: dict[str, Any], grid: dict[str, list], temperatures: list[flo
     notes = []
     greedy = [key for key in ("seeds", "top_p", "top_k", "verify")
               if key in config and not (key == "seeds" and len(grid["seeds"]) == 1)] if not any(temperatures) else []
-    unread = [key for key in STRATEGY_OPTIONS if key in config and not (key == "prefix" and len(grid["prefix"]) == 1)
-              and not STRATEGY_OPTIONS[key] & set(grid["strategies"])]
+    unread = options_unread_by(grid["strategies"], [key for key in config if not (key == "prefix" and len(grid["prefix"]) == 1)])
     strategies = ", ".join(grid["strategies"])
     for keys, reason, (listed, one) in ((greedy, "at temperature 0 (greedy decoding)", ("seeds", "seed")),
                                         (unread, f"with strategies {strategies}", ("prefix", "prefix"))):

@@ -98,13 +98,13 @@ def find_batch(session: Session, batch_id: int) -> Batch:
 
 def require_batch(engine: Engine, batch_id: int) -> None:
     """Refuse an unknown batch id before a command reads or changes anything of it."""
-    with session_scope(engine) as session:
+    with session_scope(engine, reads_only=True) as session:
         find_batch(session, batch_id)
 
 
 def batch_progress(engine: Engine, batch_id: int | None = None) -> list[BatchProgress]:
     """Progress of one batch, or of every batch (newest first)."""
-    with session_scope(engine) as session:
+    with session_scope(engine, reads_only=True) as session:
         query = select(Batch).order_by(Batch.id.desc())
         if batch_id is not None:
             query = query.where(Batch.id == batch_id)
@@ -185,11 +185,12 @@ _ROWS_AT_ONCE = 500  # items (with their texts and token ids) held in memory at 
 
 def item_rows(engine: Engine, batch_id: int | None = None, status: str | None = None,
               limit: int | None = None) -> Iterator[dict[str, Any]]:
-    """One flat row per item (with its result when it has one), in batch and item order, read
-    a few hundred at a time: a sweep may have hundreds of thousands."""
+    """One flat row per item (with its result when it has one), in item order, the newest batch
+    first (as ``status`` lists them: one looks for the run just done), read a few hundred at a
+    time: a sweep may have hundreds of thousands."""
     query = (select(Item, Result, Batch.spec, Cell.config, Cell.baseline).join(Batch, Batch.id == Item.batch_id)
              .outerjoin(Cell, Cell.id == Item.cell_id).outerjoin(Result, Result.item_id == Item.id)
-             .order_by(Item.batch_id, Item.id).execution_options(yield_per=_ROWS_AT_ONCE))
+             .order_by(Item.batch_id.desc(), Item.id).execution_options(yield_per=_ROWS_AT_ONCE))
     if batch_id is not None:
         query = query.where(Item.batch_id == batch_id)
     if status is not None:
@@ -197,7 +198,7 @@ def item_rows(engine: Engine, batch_id: int | None = None, status: str | None = 
     if limit is not None:
         query = query.limit(limit)
     windows: dict[int, dict[str, Any]] = {}
-    with session_scope(engine) as session:
+    with session_scope(engine, reads_only=True) as session:
         for item, result, spec, cell, baseline in session.execute(query):
             draft = cell["draft"] if cell is not None else spec.get("draft")
             metrics = result.metrics if result is not None else {}
@@ -246,7 +247,7 @@ def applied_settings(params: dict[str, Any], draft: str | None, metrics: dict[st
 
 def item_detail(engine: Engine, batch_id: int, key: str) -> dict[str, Any]:
     """Everything stored about one item: input, parameters, status, and its full result."""
-    with session_scope(engine) as session:
+    with session_scope(engine, reads_only=True) as session:
         item = session.scalar(select(Item).where(Item.batch_id == batch_id, Item.item_key == key))
         if item is None:
             find_batch(session, batch_id)
