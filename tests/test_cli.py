@@ -227,6 +227,16 @@ def test_generate_bad_input(args, message):
     assert code == 1 and output.startswith(message) and output.count("\n") == 1
 
 
+@pytest.mark.slow
+def test_generate_tells_a_prompt_too_long_before_loading_a_model(gemma3, monkeypatch):
+    """As enqueue does, from the target's tokenizer: both models loaded (or were fetched) first."""
+    monkeypatch.setattr("polspec.models.loader.load_model", lambda *args, **kwargs: pytest.fail("a model loaded"))
+    code, output = invoke("generate", "Kraków jest", "--target", "gemma3-270m", "--draft", "smollm2-135m",
+                          "--max-tokens", "100000")
+    assert code == 1 and output.startswith("polspec: error: PROMPT: ") and "takes at most 32768" in output, output
+    assert output.count("\n") == 1
+
+
 @pytest.mark.parametrize("args, message", [
     (["--show-accepted"], "Error: --show-accepted marks text taken from the draft; give a --draft"),
     (["--show-accepted", "--draft", "smollm2-135m", "--json"], "Error: --show-accepted marks the printed text; "

@@ -136,6 +136,12 @@ def test_same_name_adds_only_new_ids(env, tmp_path):
     assert code == 1 and output == ("polspec: error: batch 'nightly' (id 1) has id 'a' and 1 more with another "
                                     "prompt; choose another --name (the batch keeps the text it was enqueued with)\n")
     assert counts(env) == (1, 4, 4)
+    # A line's own setting edited since: never run, unseen, as an edited prompt would be.
+    longer = write_jsonl(tmp_path / "longer.jsonl", [{**GOOD[0], "max_tokens": 99}, *GOOD[1:]])
+    code, output = invoke(env, "--input", str(longer), "--name", "nightly", "--target", "smollm2-135m")
+    assert code == 1 and output == ("polspec: error: batch 'nightly' (id 1) has id 'a' with other settings of its "
+                                    "own; choose another --name (the batch keeps the settings it was enqueued with)\n")
+    assert counts(env) == (1, 4, 4)
     plain = write_jsonl(tmp_path / "plain.jsonl", [{"id": "e", "prompt": "Kto napisał Lalkę?"}])
     code, output = invoke(env, "--input", str(plain), "--name", "nightly", "--target", "smollm2-135m", "--raw")
     assert code == 1 and output == ("polspec: error: batch 'nightly' (id 1) was queued as chat where the target has "
@@ -250,6 +256,8 @@ BAD_LINES = [
     ('{"id": "a", "prompt": "x", "temperature": NaN}', "p.jsonl:2: temperature must be a finite number"),
     ('{"id": "a", "prompt": "x", "temperature": Infinity}', "p.jsonl:2: temperature must be a finite number"),
     ('{"id": "a", "prompt": "x", "seed": -1}', "p.jsonl:2: seed must be between 0 and"),
+    # A half-filled column exported as null: it replaced the batch's --seed with a drawn one.
+    ('{"id": "a", "prompt": "x", "seed": null}', "p.jsonl:2: 'seed' is null; leave it out to take the batch's setting"),
     ('{"id": "a", "prompt": "x", "seed": 9223372036854775808}', "p.jsonl:2: seed must be between 0 and"),
     ('{"id": "a", "prompt": "Krak\\ud800w"}', "p.jsonl:2: the prompt holds a lone surrogate '\\ud800' at character 5"),
     ('{"id": "\\udfff", "prompt": "x"}', "p.jsonl:2: the id holds a lone surrogate"),
@@ -359,6 +367,15 @@ def test_a_prompt_longer_than_the_target_takes_is_refused_as_the_worker_would(en
     assert code == 0, output
     assert len(encode_request(smollm2, None, in_doubt, DecodingParams(max_tokens=2000), False)[0]) + 2000 <= 8192
     assert counts(env) == (1, 1, 1)
+
+    # Many short messages: each adds its template's tokens beside its text, which the cheap
+    # bound left out: 400 of "ok" read as 800 bytes, queued, and failed in the worker.
+    chat = [{"role": role, "content": "ok"} for _ in range(200) for role in ("user", "assistant")][:-1]
+    source = write_jsonl(tmp_path / "chat.jsonl", [{"id": "chat", "messages": chat, "max_tokens": 6000}])
+    code, output = invoke(env, "--input", str(source), "--target", "smollm2-135m")
+    with pytest.raises(PolspecError) as worker_says:
+        encode_request(smollm2, None, chat, DecodingParams(max_tokens=6000), None)
+    assert code == 1 and output == f"polspec: error: {source}:1: {worker_says.value}\n"
 
 
 def test_unreachable_redis_names_the_url_and_creates_no_batch(env, tmp_path, closed_port):

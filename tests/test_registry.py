@@ -67,14 +67,17 @@ def test_models_show_gives_an_entry_s_own_draft_vocabulary(isolated_home):
 
 
 @pytest.mark.slow
-def test_dir_source_loads_a_model_directory(isolated_home, smollm2):
+def test_dir_source_loads_a_model_directory(isolated_home, smollm2, caplog):
     isolated_home.mkdir(parents=True)
-    (isolated_home / "models.toml").write_text(
-        f'[models.smol-dir]\nsource = "dir:{smollm2.path}"\narchitecture = "llama"\neos_tokens = ["<|im_end|>"]\n'
-    )
+    (isolated_home / "models.toml").write_text(f'[models.smol-dir]\nsource = "dir:{smollm2.path}"\narchitecture = '
+                                               '"llama"\neos_tokens = ["<|im_end|>", "<|im_edn|>"]\n')
     loaded = load_model("smol-dir")
     assert loaded.path == smollm2.path and loaded.dtype == "float32"
     assert smollm2.tokenizer.convert_tokens_to_ids("<|im_end|>") in loaded.tokenizer.eos_token_ids
+    # A typo's generations ran to max_tokens without a word.
+    assert [record.getMessage() for record in caplog.records if record.levelname == "WARNING"] == [
+        "smol-dir: its end-of-sequence token '<|im_edn|>' (eos_tokens) is not in its vocabulary: no generation "
+        "stops at it"]
 
 
 def test_dir_source_without_a_model(isolated_home, tmp_path):

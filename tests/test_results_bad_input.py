@@ -122,6 +122,11 @@ def test_an_export_to_standard_output_is_utf_8_whatever_the_locale(sqlite_env, b
                                capture_output=True, env=latin2)
         assert shown.returncode == 0 and shown.stderr == b"", (args, shown.stderr)
         assert "?Pana Tadeusza?" in shown.stdout.decode("iso8859-2") or args[-1] in ("status", "list"), (args, shown)
+    # JSON for scripts stays UTF-8 and whole there (status's went out in the locale's encoding).
+    assert cli(sqlite_env, "enqueue", "generate", "--dataset", "pl-short", "--limit", "1", "--name", "próba–łódź")[0] == 0
+    shown = subprocess.run([sys.executable, "-c", "from polspec.cli import main; main()", "status", "--json"],
+                           capture_output=True, env=latin2)
+    assert shown.returncode == 0 and json.loads(shown.stdout.decode("utf-8").splitlines()[0])["name"] == "próba–łódź"
 
 
 def test_an_output_of_a_dash_is_standard_output_and_exports_say_what_decoded_each_item(sqlite_env, batch, tmp_path, monkeypatch):

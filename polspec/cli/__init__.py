@@ -51,7 +51,7 @@ class PolspecGroup(click.Group):
             signal.signal(signal.SIGTERM, _terminated)
         if isinstance(sys.stdout, io.TextIOWrapper):
             # A terminal in a locale without „ or a table's lines (Latin-2): shown as ?, not a
-            # traceback. Exports write UTF-8 whatever the locale (cli/results.utf8_stdout).
+            # traceback. JSON and exports write UTF-8 whatever the locale (cli/console.utf8_stdout).
             sys.stdout.reconfigure(errors="replace")
         try:
             _check_arguments(sys.argv[1:] if args is None else args)

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import sys
 
 import click
 
+from polspec.cli.console import json_lines
 from polspec.cli.options import (
     decoding_options,
     decoding_params,
@@ -67,6 +67,7 @@ def generate(ctx: click.Context, prompt: str, target: str, draft: str, raw: bool
     from polspec.decoding.probe_files import load_probe
     from polspec.decoding.prompts import chat_mode, check_draft_template, check_prompt
     from polspec.decoding.run import generate as generate_text, stream
+    from polspec.jobs.spec import GenerateSpec, ItemInput, check_items_fit
     from polspec.models.loader import load_model
     from polspec.models.registry import load_registry
 
@@ -83,6 +84,8 @@ def generate(ctx: click.Context, prompt: str, target: str, draft: str, raw: bool
     check_draft_template(target_entry, None if draft == "none" else registry.model(draft), chat_mode(target_entry, chat))
     note_if_the_draft_is_the_target(target, draft)
     note_options_without_effect(ctx, draft, sampling=params.temperature > 0, strategies={params.strategy})
+    # Where the target's files are here, a prompt too long for it is told before any model loads.
+    check_items_fit(GenerateSpec(target, None, params, chat), [ItemInput("PROMPT", prompt)])
     target_model = load_model(target)
     draft_model = None if draft == "none" else load_model(draft)
     if draft_model is not None and params.k == "auto" and load_probe(target, draft) is None:
@@ -90,10 +93,8 @@ def generate(ctx: click.Context, prompt: str, target: str, draft: str, raw: bool
                    "(a minute or two; `polspec models probe` does it ahead of time)", err=True)
     if as_json:
         result = generate_text(target_model, draft_model, prompt, params, chat)
-        click.echo(json.dumps({
-            "target": target, "draft": draft, "params": params.as_dict(), "text": result.text,
-            "token_ids": result.token_ids, "spans": result.spans, "metrics": result.metrics.as_dict(),
-        }, ensure_ascii=False))
+        json_lines([{"target": target, "draft": draft, "params": params.as_dict(), "text": result.text,
+                     "token_ids": result.token_ids, "spans": result.spans, "metrics": result.metrics.as_dict()}])
         return
     printer = _Printer(target_model.tokenizer, show_accepted)
     metrics = DecodeMetrics()

@@ -11,7 +11,7 @@ import click
 from rich.table import Table
 from rich.text import Text
 
-from polspec.cli.console import output_console
+from polspec.cli.console import json_lines, output_console
 from polspec.cli.progress import progress_bar
 from polspec.errors import PolspecError
 from polspec.files import user_path
@@ -64,8 +64,7 @@ def list_models(as_json: bool) -> None:
     registry = load_registry()
     rows = [_entry_row(entry) for entry in [*registry.models.values(), *registry.tokenizers.values()]]
     if as_json:
-        for row in rows:
-            click.echo(json.dumps(row, ensure_ascii=False))
+        json_lines(rows)
         return
     table = Table("alias", "kind", "source", "arch", "tokenizer", "chat", "cached")
     for column in table.columns:
@@ -159,7 +158,7 @@ def show(alias: str, as_json: bool) -> None:
                 "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "vocab_size", "max_position_embeddings", "tie_word_embeddings")}
     if as_json:
-        click.echo(json.dumps(row, ensure_ascii=False))
+        json_lines([row])
         return
     width = max(len(key) for key in row)
     for key, value in row.items():

@@ -3,21 +3,16 @@
 from __future__ import annotations
 
 import csv
-import io
 import json
 import math
-import sys
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
 from datetime import date, datetime, time
 from decimal import Decimal
 from pathlib import Path
-from typing import TextIO
 
 import click
 from rich.table import Table
 
-from polspec.cli.console import output_console
+from polspec.cli.console import json_lines, output_console, utf8_stdout
 from polspec.cli.options import ROW_ID, an_output_file, output_format
 from polspec.errors import PolspecError
 from polspec.files import write_file_atomically
@@ -69,7 +64,7 @@ def list_command(batch_id: int | None, status: str | None, limit: int, as_json: 
         newest = "" if batch_id is not None else ", the newest batch first"
         click.echo(f"the first {limit} items{newest}; --limit 0 shows all", err=True)
     if as_json:
-        _json_lines(rows)
+        json_lines(rows)
         return
     if not rows:
         click.echo("no items match")
@@ -106,7 +101,7 @@ def show_command(batch_id: int, item_id: str, as_json: bool) -> None:
     with upgraded_database(readonly=True, create=False) as engine:
         detail = item_detail(engine, batch_id, item_id)
     if as_json:
-        _json_lines([detail])
+        json_lines([detail])
         return
     click.echo(f"batch {batch_id} item {detail['id']}: {detail['status']} after {detail['attempts']} attempt(s)")
     prompt = detail["prompt"] if detail["prompt"] is not None else json.dumps(detail["messages"], ensure_ascii=False)
@@ -205,26 +200,6 @@ def export_command(ctx: click.Context, batch_id: int, fmt: str, output: str | No
                    "have no result yet", err=True)
 
 
-def _json_lines(objects: Iterable[dict]) -> None:
-    """One JSON object a line on standard output, in UTF-8 (:func:`utf8_stdout`)."""
-    with utf8_stdout() as stdout:
-        for value in objects:
-            stdout.write(json.dumps(value, ensure_ascii=False, default=str) + "\n")
-
-
-@contextmanager
-def utf8_stdout() -> Iterator[TextIO]:
-    """Standard output as UTF-8 text without newline translation, whatever the locale: an
-    export promises UTF-8, and a Polish ISO-8859-2 terminal could not encode an en dash."""
-    sys.stdout.flush()
-    stream = io.TextIOWrapper(sys.stdout.buffer, encoding="utf-8", newline="")
-    try:
-        yield stream
-    finally:
-        stream.flush()
-        stream.detach()
-
-
 def _write(handle, rows, fmt: str, columns: tuple[str, ...], bom: bool) -> None:
     if fmt == "jsonl":
         for row in rows:
@@ -261,7 +236,7 @@ def sql_command(query: str, as_json: bool) -> None:
         if twice is not None:  # an object keeps one value a key: the other column would vanish
             raise PolspecError(f"the query returns two columns named {twice!r}; for --json, name them apart "
                                "with AS")
-        _json_lines(dict(zip(columns, map(_json_value, row), strict=True)) for row in rows)
+        json_lines(dict(zip(columns, map(_json_value, row), strict=True)) for row in rows)
         return
     table = Table()
     for column in columns:

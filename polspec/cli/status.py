@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import itertools
-import json
 import math
-import sys
 import time
 from collections.abc import Iterator
 
@@ -14,7 +12,7 @@ from click.core import ParameterSource
 from rich.live import Live
 from rich.table import Table
 
-from polspec.cli.console import output_console
+from polspec.cli.console import json_lines, output_console
 from polspec.cli.options import ROW_ID
 from polspec.store.queries import BatchProgress
 
@@ -56,9 +54,7 @@ def status(batch_id: int | None, watch: bool, interval: float, as_json: bool) ->
         batches = batch_progress(engine, batch_id)
         if as_json:
             for batches in _changes(engine, batch_id, batches, interval) if watch else [batches]:
-                for batch in batches:
-                    click.echo(json.dumps(batch.as_dict(), ensure_ascii=False))
-                sys.stdout.flush()
+                json_lines(batch.as_dict() for batch in batches)
             return
         console = output_console()
         if not watch:

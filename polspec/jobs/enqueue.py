@@ -87,14 +87,19 @@ def _write_batch(engine: Engine, spec: GenerateSpec, items: list[ItemInput],
                 # batch would read done with its cancelled items never run.
                 raise PolspecError(f"batch {batch.name!r} (id {batch.id}) is cancelled; resume it with "
                                    f"polspec retry {batch.id} --cancelled, or choose another --name")
-        known = _stored_prompts(session, batch.id)
-        changed = [item.key for item in items if known.get(item.key, (item.prompt, item.messages))
-                   != (item.prompt, item.messages)]
-        if changed:  # kept as it was, the new text would never run, and no one would be told
-            raise PolspecError(f"batch {batch.name!r} (id {batch.id}) has id {changed[0]!r}"
-                               + (f" and {len(changed) - 1} more" if len(changed) > 1 else "")
-                               + " with another prompt; choose another --name (the batch keeps the text it was "
-                                 "enqueued with)")
+        known = _stored_items(session, batch.id)
+        # Kept as it was, an edited text or line setting (its own max_tokens, seed) would never
+        # run, and no one would be told.
+        for what, kept, edited in (
+                ("another prompt", "text", lambda item, stored: stored[:2] != (item.prompt, item.messages)),
+                ("other settings of its own", "settings",
+                 lambda item, stored: stored[2] != item.params(spec.params).as_dict())):
+            keys = [item.key for item in items if item.key in known and edited(item, known[item.key])]
+            if keys:
+                raise PolspecError(f"batch {batch.name!r} (id {batch.id}) has id {keys[0]!r}"
+                                   + (f" and {len(keys) - 1} more" if len(keys) > 1 else "")
+                                   + f" with {what}; choose another --name (the batch keeps the {kept} it was "
+                                     "enqueued with)")
         rows = [Item(batch_id=batch.id, item_key=item.key, prompt=item.prompt, messages=item.messages,
                      params=item.params(spec.params).as_dict())
                 for item in items if item.key not in known]
@@ -119,10 +124,10 @@ def _named_once(name: str | None) -> Iterator[None]:
                            "one was written: run it again to add to that batch") from None
 
 
-def _stored_prompts(session: Session, batch_id: int) -> dict[str, tuple[str | None, list | None]]:
-    """Each item key of the batch with its prompt and messages as stored."""
-    return {key: (prompt, messages) for key, prompt, messages in session.execute(
-        select(Item.item_key, Item.prompt, Item.messages).where(Item.batch_id == batch_id))}
+def _stored_items(session: Session, batch_id: int) -> dict[str, tuple[str | None, list | None, dict[str, Any]]]:
+    """Each item key of the batch with its prompt, messages and parameters as stored."""
+    return {key: (prompt, messages, params) for key, prompt, messages, params in session.execute(
+        select(Item.item_key, Item.prompt, Item.messages, Item.params).where(Item.batch_id == batch_id))}
 
 
 def _check_same_request(batch: Batch, wanted: dict) -> None:
@@ -258,13 +263,13 @@ def _check_same_prompts(session: Session, batch: Batch, plan: SweepPlan) -> None
     """A sweep resumes only where its file gives no item it lacks, and each item the text it has:
     a dataset edited since would otherwise have its new prompts left out, or its new texts
     never run, unseen (resuming adds and changes no items)."""
-    stored = _stored_prompts(session, batch.id)
+    stored = _stored_items(session, batch.id)
     new = sorted({item.key for item in plan.items} - set(stored))
     if new:
         raise PolspecError(f"sweep {plan.name!r} (id {batch.id}) was enqueued over other prompts: its datasets now "
                            f"give {len(new)} items it lacks (first: {new[0]!r}); give the sweep another name")
     changed = [planned.key for planned in plan.items
-               if stored[planned.key] != (planned.item.prompt, planned.item.messages)]
+               if stored[planned.key][:2] != (planned.item.prompt, planned.item.messages)]
     if changed:
         raise PolspecError(f"sweep {plan.name!r} (id {batch.id}) was enqueued over other prompts: its datasets now "
                            f"give {len(changed)} items another text (first: {changed[0]!r}); give the sweep "

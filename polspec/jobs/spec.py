@@ -95,9 +95,11 @@ def check_models(spec: GenerateSpec, items: list[ItemInput], raw_option: str = "
 
 
 # Tokens a chat template may add around the messages, for the cheap test below: the registry's
-# templates add under 100. Every token but a template's and a few specials covers at least one
-# byte of the text, so a prompt of N bytes is at most N + this many tokens.
+# templates add under 100, and under 16 around each message (ChatML: 5). Every token but a
+# template's and a few specials covers at least one byte of the text, so a prompt of N bytes in
+# M messages is at most N + these many tokens.
 TEMPLATE_TOKENS = 1024
+MESSAGE_TOKENS = 16
 
 
 def check_items_fit(spec: GenerateSpec, items: list[ItemInput]) -> None:
@@ -132,8 +134,9 @@ def check_items_fit(spec: GenerateSpec, items: list[ItemInput]) -> None:
 
 
 def _byte_bound(item: ItemInput) -> int:
-    texts = [item.prompt] if item.prompt is not None else [message["content"] for message in item.messages]
-    return sum(len(text.encode("utf-8")) for text in texts)
+    if item.prompt is not None:
+        return len(item.prompt.encode("utf-8"))
+    return sum(len(message["content"].encode("utf-8")) + MESSAGE_TOKENS for message in item.messages)
 
 
 def parse_jsonl(lines: Iterable[bytes], source: str, base: DecodingParams) -> list[ItemInput]:
@@ -235,6 +238,9 @@ def parse_item(data: Any, where: str, base: DecodingParams) -> ItemInput:
     except PolspecError as error:
         raise PolspecError(f"{where}: {error}") from None
     overrides = {name: data[name] for name in ITEM_PARAMS if name in data}
+    unset = next((name for name, value in overrides.items() if value is None), None)
+    if unset is not None:  # "seed": null from a half-filled table's export would drop the batch's --seed unseen
+        raise PolspecError(f"{where}: '{unset}' is null; leave it out to take the batch's setting")
     item = ItemInput(str(key), prompt, messages, overrides, where)
     try:
         item.params(base)

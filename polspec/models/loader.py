@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 import time
 from dataclasses import dataclass, field
@@ -20,6 +21,8 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from polspec.models.fetch import ProgressFn, no_progress
 from polspec.models.files import context_length, fetch_model
 from polspec.models.registry import ModelEntry, Registry, load_registry
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -84,7 +87,11 @@ def load_model(alias: str, registry: Registry | None = None, progress: ProgressF
     model, tokenizer = load(str(path), lazy=True)
     model, dtype = apply_dtype_policy(model, path, policy.dtype)
     mx.eval(model.parameters())
+    vocabulary = tokenizer.get_vocab()
     for token in entry.eos_tokens:
-        if token in tokenizer.get_vocab():
+        if token in vocabulary:
             tokenizer.add_eos_token(token)
+        else:  # a typo's generations would run to max_tokens unseen: not an error, a registry may serve several files
+            log.warning("%s: its end-of-sequence token %r (eos_tokens) is not in its vocabulary: no generation "
+                        "stops at it", alias, token)
     return LoadedModel(entry, path, model, tokenizer, dtype, time.perf_counter() - start)
