@@ -579,6 +579,19 @@ def test_foreign_keys_are_enforced_and_deletes_cascade(engine: Engine) -> None:
         assert session.scalar(select(func.count()).select_from(Result)) == 0
 
 
+def finish_while(engine: Engine, item_id: int, other: threading.Thread) -> None:
+    """Finish the item as ``finish_item`` does (its result, done, its batch settled), holding the
+    transaction open from ``other``'s start until it waits for this one's locks; then wait for it."""
+    with session_scope(engine) as session:
+        item = session.scalar(select(Item).where(Item.id == item_id).with_for_update())
+        session.add(new_result(item))
+        item.status = "done"
+        settle_batch(session, item.batch)
+        other.start()
+        wait_until_blocked(engine, other)
+    other.join()
+
+
 def wait_until_blocked(engine: Engine, thread: threading.Thread) -> None:
     """Wait until ``thread`` waits for a lock this test's open transaction holds: on PostgreSQL
     until the server shows a lock not granted; SQLite shows none, and its writer waits out
@@ -603,14 +616,9 @@ def test_two_workers_finishing_a_batch_s_last_items_at_once_leave_it_done(engine
     claim_item(engine, first, one)
     claim_item(engine, second, other)
     finishing = threading.Thread(target=lambda: finish_item(engine, second, other, new_result(Item(id=second))))
-    with session_scope(engine) as session:  # finish_item of the first, held open while the other finishes
-        item = session.scalar(select(Item).where(Item.id == first).with_for_update())
-        session.add(new_result(item))
-        item.status = "done"
-        settle_batch(session, item.batch)
-        finishing.start()
-        wait_until_blocked(engine, finishing)  # without the wait it finishes here, reading the first item running
-    finishing.join()
+    # The first item's finish, held open while the other finishes: without the wait the other
+    # finishes first, reading the first item running.
+    finish_while(engine, first, finishing)
     with session_scope(engine) as session:
         assert session.get(Batch, batch.id).status == "done"
 
@@ -629,14 +637,7 @@ def test_an_enqueue_by_name_reads_its_batch_after_a_finish_that_settles_it(db_ur
     claim_item(engine, item_id, Worker("host", 1))
     adding = threading.Thread(target=lambda: enqueue_generate(spec, prompts, "nightly", db_url=db_url,
                                                               queue_url=redis_url))
-    with session_scope(engine) as session:  # the item's finish, held open as the enqueue starts
-        item = session.scalar(select(Item).where(Item.id == item_id).with_for_update())
-        session.add(new_result(item))
-        item.status = "done"
-        settle_batch(session, item.batch)
-        adding.start()
-        wait_until_blocked(engine, adding)
-    adding.join()
+    finish_while(engine, item_id, adding)
     with session_scope(engine) as session:
         statuses = session.scalars(select(Item.status).where(Item.batch_id == batch_id).order_by(Item.id)).all()
         assert (session.get(Batch, batch_id).status, statuses) == ("queued", ["done", "queued"])
@@ -707,14 +708,7 @@ def test_a_cancel_that_waits_for_a_batch_s_last_finish_refuses_the_finished_batc
             refused.append(str(error))
 
     cancelling = threading.Thread(target=cancel_batch)
-    with session_scope(engine) as session:  # finish_item of the last item, held open while cancel runs
-        item = session.scalar(select(Item).where(Item.id == item_id).with_for_update())
-        session.add(new_result(item))
-        item.status = "done"
-        settle_batch(session, item.batch)
-        cancelling.start()
-        wait_until_blocked(engine, cancelling)
-    cancelling.join()
+    finish_while(engine, item_id, cancelling)  # the last item's finish, held open while cancel runs
     assert refused == [f"batch {batch.id} has finished (done); there is nothing to cancel"]
     with session_scope(engine) as session:
         assert session.get(Batch, batch.id).status == "done"
