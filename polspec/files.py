@@ -15,11 +15,11 @@ from polspec.errors import PolspecError
 
 
 def user_path(text: str | Path) -> Path:
-    """``text`` with a leading ``~`` or ``~user`` expanded as a shell would. Raises
-    :class:`PolspecError` naming it where there is no such user (:meth:`Path.expanduser` raises a
-    bare RuntimeError there)."""
+    """``text`` with a leading ``~`` or ``~user`` expanded as a shell would; a file named so
+    (``~draft.jsonl``) where there is no such user. Raises :class:`PolspecError` naming it where
+    neither is (:meth:`Path.expanduser` raises a bare RuntimeError there)."""
     path = os.path.expanduser(text)
-    if str(path).startswith("~"):
+    if str(path).startswith("~") and not Path(path).exists():
         raise PolspecError(f"{text}: no user {str(path)[1:].partition('/')[0]!r} for its '~'")
     return Path(path)
 

@@ -115,10 +115,14 @@ def test_a_gguf_without_a_tokenizer_names_the_file(isolated_home, tmp_path):
     assert leftovers(models_dir()) == [] and not (isolated_home / "models.toml").exists()
 
 
-def test_a_path_under_an_unknown_users_home_is_one_line(isolated_home, monkeypatch):
+def test_a_path_under_an_unknown_users_home_is_one_line(isolated_home, monkeypatch, tmp_path):
     """Path.expanduser raises a bare RuntimeError for ~user when there is no such user."""
     code, output = run_cli("models", "import", "~no-such-user-here/a.gguf", "--name", "x")
     assert code == 1 and output == "polspec: error: ~no-such-user-here/a.gguf: no user 'no-such-user-here' for its '~'\n"
+    monkeypatch.chdir(tmp_path)  # a file of that name here is the file, as a shell leaves it
+    (tmp_path / "~no-such-user-here.gguf").write_bytes(b"GGUF")
+    code, output = run_cli("models", "import", "~no-such-user-here.gguf", "--name", "x")
+    assert code == 1 and "~no-such-user-here.gguf: truncated or corrupt GGUF" in output, output
     monkeypatch.setenv("POLSPEC_HOME", "~no-such-user-here/polspec")
     code, output = run_cli("models", "list")
     assert code == 1 and output == ("polspec: error: ~no-such-user-here/polspec: no user 'no-such-user-here' for "
@@ -166,7 +170,8 @@ def test_a_model_hub_name_that_is_none_is_one_line(isolated_home):
 
 def test_work_that_a_killed_process_left_is_removed_by_the_next(isolated_home):
     """A fetch or import killed (for memory, say) left gigabytes in the cache for good. Work of
-    a live process, or of another machine sharing the cache, stays."""
+    a live process, of another machine sharing the cache, or touched within the hour (should
+    another machine share this one's name), stays."""
     running = work_dir(models_dir(), "import")  # this process's, in use
     killed = subprocess.run([sys.executable, "-c", "import os; from polspec.models.fetch import work_dir; "
                              "from polspec.settings import models_dir; work = work_dir(models_dir(), 'import'); "
@@ -179,8 +184,14 @@ def test_work_that_a_killed_process_left_is_removed_by_the_next(isolated_home):
     for folder in (elsewhere, fetching):
         folder.mkdir()
     assert sorted(leftovers(models_dir())) == sorted([gone, running.name, elsewhere.name, fetching.name])
-    work = work_dir(models_dir(), "import")
-    assert sorted(leftovers(models_dir())) == sorted([running.name, work.name, elsewhere.name, fetching.name])
+    work = work_dir(models_dir(), "import")  # the killed one's was written a moment ago: kept
+    assert sorted(leftovers(models_dir())) == sorted([gone, running.name, work.name, elsewhere.name, fetching.name])
+    two_hours_ago = time.time() - 2 * 3600
+    for path in (*models_dir().rglob("*"),):
+        os.utime(path, (two_hours_ago, two_hours_ago))
+    last = work_dir(models_dir(), "import")
+    assert sorted(leftovers(models_dir())) == sorted([running.name, work.name, last.name, elsewhere.name,
+                                                      fetching.name])
 
 
 def test_an_import_keeps_a_registry_file_that_writes_its_models_inline(tmp_path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import pty
 import re
 import sqlite3
 import stat
@@ -107,6 +108,14 @@ def test_an_export_into_a_pipe_or_device_writes_into_it_and_leaves_it_one(sqlite
     assert log.read_text().splitlines()[0] == "earlier" and len(log.read_text().splitlines()) == 4
 
 
+def _read_or_none(descriptor: int) -> bytes | None:
+    """What a terminal's other end has for us; None once its writer closed it (EIO on Linux)."""
+    try:
+        return os.read(descriptor, 4096) or None
+    except OSError:
+        return None
+
+
 def test_an_export_to_standard_output_is_utf_8_whatever_the_locale(sqlite_env, batch):
     """A Polish ISO-8859-2 terminal has no „: the export to standard output was a traceback."""
     latin2 = os.environ | sqlite_env | {"PYTHONIOENCODING": "iso8859-2"}
@@ -114,14 +123,24 @@ def test_an_export_to_standard_output_is_utf_8_whatever_the_locale(sqlite_env, b
                              str(batch)], capture_output=True, env=latin2)
     assert result.returncode == 0, result.stderr
     assert "„Pana Tadeusza”" in result.stdout.decode("utf-8")
-    # Tables and text for the terminal itself: what it cannot show is replaced, not a traceback
-    # (status's bar is drawn in block characters, which ISO-8859-2 lacks; short-003 holds „ and ”).
-    for args in (["status"], ["results", "list"], ["results", "show", str(batch), "short-003"],
-                 ["results", "sql", "SELECT prompt FROM items"]):
-        shown = subprocess.run([sys.executable, "-c", "from polspec.cli import main; main()", *args],
+    # Tables and text for the terminal itself were tracebacks there (status's bar is drawn in
+    # block characters, which ISO-8859-2 lacks; short-003 holds „ and ”). On a terminal what it
+    # cannot show is a ?; into a file or a pipe, one line says so rather than change the text.
+    for args in (["status"], ["results", "show", str(batch), "short-003"], ["results", "sql", "SELECT prompt FROM items"]):
+        terminal, seen = pty.openpty()
+        shown = subprocess.Popen([sys.executable, "-c", "from polspec.cli import main; main()", *args], stdout=seen,
+                                 stderr=subprocess.PIPE, env=latin2)
+        os.close(seen)
+        printed = b""
+        while chunk := _read_or_none(terminal):
+            printed += chunk
+        os.close(terminal)
+        assert shown.wait() == 0 and shown.stderr.read() == b"", args
+        assert "?Pana Tadeusza?" in printed.decode("iso8859-2") or args == ["status"], (args, printed)
+        piped = subprocess.run([sys.executable, "-c", "from polspec.cli import main; main()", *args],
                                capture_output=True, env=latin2)
-        assert shown.returncode == 0 and shown.stderr == b"", (args, shown.stderr)
-        assert "?Pana Tadeusza?" in shown.stdout.decode("iso8859-2") or args[-1] in ("status", "list"), (args, shown)
+        assert piped.returncode == 1 and piped.stderr.decode().startswith(
+            "polspec: error: standard output's encoding (iso8859-2) has no ") and piped.stderr.count(b"\n") == 1
     # JSON for scripts stays UTF-8 and whole there (status's went out in the locale's encoding).
     assert cli(sqlite_env, "enqueue", "generate", "--dataset", "pl-short", "--limit", "1", "--name", "próba–łódź")[0] == 0
     shown = subprocess.run([sys.executable, "-c", "from polspec.cli import main; main()", "status", "--json"],

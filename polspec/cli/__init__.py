@@ -49,9 +49,10 @@ class PolspecGroup(click.Group):
         # instead of leaving it in the cache. The worker installs its own handlers over this.
         if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
             signal.signal(signal.SIGTERM, _terminated)
-        if isinstance(sys.stdout, io.TextIOWrapper):
-            # A terminal in a locale without „ or a table's lines (Latin-2): shown as ?, not a
-            # traceback. JSON and exports write UTF-8 whatever the locale (cli/console.utf8_stdout).
+        if isinstance(sys.stdout, io.TextIOWrapper) and sys.stdout.isatty():
+            # A terminal in a locale without „ or a table's lines (Latin-2) shows them as ?; a file
+            # or a pipe is told so below, not silently changed. JSON and exports write UTF-8
+            # whatever the locale (cli/console.utf8_stdout).
             sys.stdout.reconfigure(errors="replace")
         try:
             _check_arguments(sys.argv[1:] if args is None else args)
@@ -60,6 +61,13 @@ class PolspecGroup(click.Group):
             sys.exit(1)
         try:
             return super().main(args, *rest, **kwargs)
+        except UnicodeEncodeError as error:
+            unwritable = error.object[error.start:error.end]
+            if _encodes(unwritable, sys.stdout.encoding or "utf-8"):
+                raise  # not standard output's: a fault of polspec's own
+            click.echo(f"polspec: error: standard output's encoding ({sys.stdout.encoding}) has no {unwritable!r}: "
+                       "use a UTF-8 locale (LC_ALL=C.UTF-8), or --json, which is UTF-8 whatever the locale", err=True)
+            sys.exit(1)
         except OSError as error:  # raised outside invoke too: --help writes while parsing
             if error.errno not in _CANNOT_WRITE:
                 raise
@@ -84,6 +92,14 @@ def _check_arguments(arguments) -> None:
             shown = "".join(f"\\x{ord(char) - 0xdc00:02x}" if "\udc80" <= char <= "\udcff" else char
                             for char in argument[:40])
             check_text(argument, f"the argument '{shown}{'...' if len(argument) > 40 else ''}'")
+
+
+def _encodes(text: str, encoding: str) -> bool:
+    try:
+        text.encode(encoding)
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _terminated(signum: int, frame) -> None:

@@ -210,7 +210,9 @@ def enqueue_sweep(plan: SweepPlan, *, db_url: str | None = None, queue_url: str 
     name = queue_name(plan.spec.target)
     with upgraded_database(db_url) as engine:
         with session_scope(engine) as session, _named_once(plan.name):
-            batch = session.scalar(select(Batch).where(Batch.name == plan.name).with_for_update())
+            # Not locked: a resume adds no items, and the batch's lock before its items' would
+            # deadlock against a retry, which takes them the other way round.
+            batch = session.scalar(select(Batch).where(Batch.name == plan.name))
             if batch is not None:
                 if batch.kind != "sweep":
                     raise PolspecError(f"a batch named {plan.name!r} (id {batch.id}) exists and is no sweep; "

@@ -97,19 +97,33 @@ def cache_lock(entry: Path, doing: str, progress: ProgressFn = no_progress) -> I
         yield
 
 
+# A work folder none of whose files changed for this long is no live fetch's or import's: they
+# write all along.
+STALE_AFTER_S = 3600
+
+
 def work_dir(parent: Path, kind: str) -> Path:
     """A new private directory in ``parent`` to build a cache entry in (``kind``: fetch or
     import), after removing those that processes gone from this host left there: a fetch or
     import killed (for memory, say) leaves gigabytes no one else will clean. Its name holds the
     host (as :func:`~polspec.processes.this_host` names it, hashed) and the process id, so that a
-    cache shared with other machines or containers keeps their work."""
+    cache shared with other machines or containers keeps their work; and only a folder left
+    untouched for :data:`STALE_AFTER_S` goes, should two of them share a host name."""
     parent.mkdir(parents=True, exist_ok=True)
     mine = f".{kind}-{hashlib.sha256(this_host().encode()).hexdigest()[:12]}-"
     for stale in parent.glob(glob.escape(mine) + "*"):
         pid = stale.name[len(mine):].partition("-")[0]
-        if pid.isdigit() and not pid_alive(int(pid)):
+        if pid.isdigit() and not pid_alive(int(pid)) and _untouched_for(stale, STALE_AFTER_S):
             shutil.rmtree(stale, ignore_errors=True)
     return Path(tempfile.mkdtemp(prefix=f"{mine}{os.getpid()}-", dir=parent))
+
+
+def _untouched_for(folder: Path, seconds: float) -> bool:
+    try:
+        newest = max(path.stat().st_mtime for path in (folder, *folder.rglob("*")))
+    except OSError:  # a file went meanwhile: someone is at work there
+        return False
+    return time.time() - newest > seconds
 
 
 def move_into_cache(work: Path, final: Path) -> None:
@@ -132,6 +146,9 @@ def _fsync_directory(path: Path) -> None:
     descriptor = os.open(path, os.O_RDONLY)
     try:
         os.fsync(descriptor)
+    except OSError as error:  # file systems that cannot sync a folder say so (as PostgreSQL reads it)
+        if error.errno not in (errno.EINVAL, errno.EBADF, errno.ENOTSUP):
+            raise
     finally:
         os.close(descriptor)
 

@@ -107,17 +107,19 @@ def make_engine(url: str | URL | None = None, *, readonly: bool = False) -> Engi
         # So is a file that is no SQLite database, or a damaged one, though SQLite says it
         # through a plain DatabaseError.
         damaged = getattr(context.original_exception, "sqlite_errorname", "") in ("SQLITE_NOTADB", "SQLITE_CORRUPT")
+        failed = isinstance(context.sqlalchemy_exception, OperationalError) or damaged
         # Connecting, the driver refuses what the URL asks (PostgreSQL's `?sslmod=` typo) with a
-        # ProgrammingError; a role that may not read or write a table gets SQLSTATE 42501.
+        # ProgrammingError; a role that may not read or write a table gets SQLSTATE 42501. Told
+        # in one line too, but as the setup's fault, not an outage to wait out: a worker fails
+        # the item with the reason rather than decode it again and again.
         connecting = context.connection is None and isinstance(context.sqlalchemy_exception, DBAPIError)
         refused = getattr(context.original_exception, "sqlstate", None) == "42501"
-        if context.is_pre_ping or not (isinstance(context.sqlalchemy_exception, OperationalError) or damaged
-                                       or connecting or refused):
+        if context.is_pre_ping or not (failed or connecting or refused):
             return
         reason = " ".join(str(context.original_exception).split())
         if sqlite and "locked" in reason:
             reason += f" (busy timeout {timeout_ms} ms; POLSPEC_DB_BUSY_TIMEOUT_MS sets it)"
-        raise DatabaseFailure(shown, reason)
+        raise (DatabaseFailure if failed else DatabaseProblem)(shown, reason)
 
     if sqlite:
         _set_up_sqlite(engine, timeout_ms=timeout_ms, readonly=readonly)
