@@ -40,7 +40,7 @@ def require_gguf_magic(path: Path) -> None:
 
 def file_sha256(path: Path) -> str:
     """sha256 of a file, remembered per (path, size, mtime) so large files are hashed once."""
-    index_file = models_dir() / "sha256-index.json"
+    index_file = _sha256_index_file()
     index = _json_object(index_file)
     key = _index_key(path)
     if not is_sha256(index.get(key)):
@@ -59,10 +59,14 @@ def known_sha256(path: Path) -> str | None:
     """The sha256 :func:`file_sha256` remembers for the file as it is now, without hashing it;
     None where it has not hashed it so, or the file is gone."""
     try:
-        digest = _json_object(models_dir() / "sha256-index.json").get(_index_key(path))
+        digest = _json_object(_sha256_index_file()).get(_index_key(path))
     except OSError:
         return None
     return digest if is_sha256(digest) else None
+
+
+def _sha256_index_file() -> Path:
+    return models_dir() / "sha256-index.json"
 
 
 def _index_key(path: Path) -> str:

@@ -50,8 +50,8 @@ from sqlalchemy import text
 from polspec.errors import DatabaseFailure, PolspecError
 from polspec.jobs.control import recover
 from polspec.jobs.queue import JOB_FUNCTION
-from polspec.store.engine import session_scope
 from polspec.processes import this_host
+from polspec.store.engine import session_scope
 from polspec.store.items import Pairing, item_pairings, renew_leases
 from polspec.worker import HEARTBEAT_GRACE_S, HEARTBEAT_INTERVAL_S, context
 from polspec.worker.batching import BatchRun, job_item
