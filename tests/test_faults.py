@@ -25,9 +25,12 @@ from sqlalchemy import func, make_url, select
 
 from polspec.cli import main
 from polspec.decoding.batch import BatchDecoder
+from polspec.errors import DatabaseFailure
 from polspec.jobs.queue import RETRIES, queue_name
 from polspec.store.engine import make_engine, session_scope, sqlite_file
 from polspec.store.schema import Item, Result
+from polspec.store.items import claim_item
+from polspec.worker import batching, tasks
 from polspec.worker.worker import PolspecWorker
 from conftest import sqlite_url
 from helpers import start_worker, statuses, wait_for, wait_for_line, worker_in_process
@@ -99,22 +102,50 @@ def test_redis_restarted_mid_batch_loses_nothing(redis_server, tmp_path):
 
 
 @pytest.mark.parametrize("batch", [1, 2])
-def test_a_database_locked_past_its_busy_timeout_stops_no_worker(env, batch):
-    """A batch, or a job run alone, that meets the database locked past its busy timeout gives
-    its jobs back to RQ, and the worker waits for the database. A batch's error used to end
-    RQ's loop, and the worker with it (status 0, its items left running for the next start);
-    a lone job's was taken by RQ, which went on to the next job, failing each at once until
-    their retries ran out and their items were left queued with no job."""
+def test_a_claim_the_database_fails_gives_its_job_back_and_stops_no_worker(env, batch, monkeypatch):
+    """The database failing as an item is claimed (a restart, SQLite locked past its busy
+    timeout; made to fail here for the second claim: a real lock cannot be timed between two
+    rounds): its job goes back to RQ and the worker goes on. A batch's error used to end the
+    batch in flight, whose items RQ's retry decoded again (attempts 2), and before that RQ's
+    loop, and the worker with it; a lone job's was taken by RQ, which went on to the next job,
+    failing each at once until their retries ran out. A lone job's worker waits for the
+    database, as its next claim would meet the same failure."""
+    enqueue(env, limit=3, max_tokens=6)
+    claims = []
+
+    def second_claim_fails(engine, item_id, *args):
+        claims.append(item_id)
+        if len(claims) == 2:
+            raise DatabaseFailure("sqlite:///polspec.db", "database is locked (a test's)")
+        return claim_item(engine, item_id, *args)
+
+    monkeypatch.setattr(tasks, "claim_item", second_claim_fails)
+    monkeypatch.setattr(batching, "claim_item", second_claim_fails)
+    output = worker_in_process(env, "--burst", "--batch", str(batch))
+    assert ("Waiting for the database" if batch == 1 else
+            f"the database failed as item {claims[1]} joined the batch") in output
+    assert [item.attempts for item in assert_each_item_done_once(env, 3)] == [1, 1, 1]
+    assert len(claims) == 4
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_a_result_meeting_the_database_locked_past_its_busy_timeout_waits_and_is_stored(env, batch):
+    """A long writer (a large sweep's enqueue, a migration) holding SQLite's write lock past the
+    busy timeout as an item finishes: its result waits in the worker, the batch with it, and is
+    stored once the lock is free. It used to fail every item in flight, whose decoding RQ's
+    retry then did again (attempts 2)."""
     enqueue(env, limit=3, max_tokens=48)
     worker = start_worker(env | {"POLSPEC_DB_BUSY_TIMEOUT_MS": "200"}, "--burst", "--batch", str(batch))
     wait_for(lambda: statuses(env).get("running", 0) == batch, 240, f"{batch} items decoding")
     database = sqlite3.connect(sqlite_file(make_url(env["POLSPEC_DB_URL"])), isolation_level=None)
-    database.execute("BEGIN IMMEDIATE")  # another writer, holding the write lock
-    wait_for_line(worker, "Waiting for the database")
+    database.execute("BEGIN IMMEDIATE")
+    assert "waits in this worker until it answers" in wait_for_line(worker, "the database failed")
+    time.sleep(1)  # a few tries meet the lock
     database.rollback()
     database.close()
-    finish(worker)
-    assert_each_item_done_once(env, 3)
+    output = finish(worker)
+    assert "the database answers again: the result of item" in output
+    assert [item.attempts for item in assert_each_item_done_once(env, 3)] == [1, 1, 1]
 
 
 def test_two_batched_workers_on_one_queue_never_duplicate(any_db_env):

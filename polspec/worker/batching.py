@@ -23,7 +23,11 @@ up) from then on, down to one at a time, where an item's own error counts agains
 Elsewhere every item in flight fails and is retried, as a job that raised.
 
 Redis is only the delivery channel: if it fails mid-batch, decoding goes on, every result is
-still written to the database, and the jobs' RQ bookkeeping is left to ``recover``.
+still written to the database, and the jobs' RQ bookkeeping is left to ``recover``. The
+database failing mid-batch (a restart, SQLite locked past its busy timeout) drops nothing
+either: decoding goes on without the cancel check and without new items, and a finished
+result waits in the worker until the database takes it (:func:`~polspec.worker.tasks.store_result`),
+the batch with it.
 
 Energy: where a meter works, the batch is measured as one energy window
 (:mod:`polspec.store.energy_windows`) that each of its results names, from its first round to
@@ -61,11 +65,12 @@ from polspec.jobs.queue import JOB_FUNCTION
 from polspec.jobs.spec import GenerateSpec
 from polspec.models.loader import LoadedModel
 from polspec.store.energy_windows import close_energy_window, open_energy_window
-from polspec.store.items import Pairing, cancelled_items, claim_item, fail_item, finish_item, item_pairings
+from polspec.store.items import Pairing, claim_item, fail_item, item_pairings
 from polspec.store.schema import Status
 from polspec.worker import context
 from polspec.worker.energy import EnergyReading, Measurement
-from polspec.worker.tasks import PROGRESS_INTERVAL_S, item_probe, load_models, prompt_of, result_row
+from polspec.worker.tasks import (PROGRESS_INTERVAL_S, item_probe, known_cancelled, load_models, prompt_of,
+                                  result_row, store_result)
 
 if TYPE_CHECKING:
     from polspec.worker.worker import PolspecWorker
@@ -226,7 +231,8 @@ class BatchRun:
         item_id = job.args[1]
         try:
             claim = claim_item(self.ctx.engine, item_id, self.ctx.me, self.ctx.lease_s)
-        except DatabaseFailure:
+        except DatabaseFailure:  # the item never ran: RQ queues its job again, with its try given back
+            job.retries_left = (job.retries_left or 0) + 1
             self._fail(job, execution, sys.exc_info(), record=False)
             raise
         if isinstance(claim, str):
@@ -283,12 +289,29 @@ class BatchRun:
         except redis.RedisError as error:
             self._redis_failed(error)
             return
-        for job in jobs:
+        except DatabaseFailure as error:  # the batch in flight goes on; the next refill tries again
+            log.debug("no refill: %s", error)
+            return
+        for index, job in enumerate(jobs):
             try:
                 self._start(job)
             except redis.RedisError as error:  # taken off the queue already: recover queues its item again
                 self._redis_failed(error)
                 return
+            except DatabaseFailure as error:
+                log.warning("the database failed as item %d joined the batch (%s): it goes back to the queue, "
+                            "and the batch in flight goes on", job.args[1], error)
+                self._put_back(jobs[index + 1:])
+                return
+
+    def _put_back(self, jobs: list[Job]) -> None:
+        """Jobs taken off the queue but not started go back to its head, in their order."""
+        if not jobs:
+            return
+        try:
+            self.queue.connection.lpush(self.queue.key, *reversed([job.id for job in jobs]))
+        except redis.RedisError as error:  # recover queues their items again
+            self._redis_failed(error)
 
     # --- between rounds and leaving ---------------------------------------------------------
 
@@ -298,7 +321,7 @@ class BatchRun:
         if time.monotonic() < self.next_check or not self.running:
             return False
         self.next_check = time.monotonic() + PROGRESS_INTERVAL_S
-        for item_id in cancelled_items(self.ctx.engine, list(self.running)):
+        for item_id in known_cancelled(self.ctx, list(self.running)):
             self.decoder.remove(item_id)
         for item_id, running in self.running.items():
             if time.monotonic() > running.deadline and not running.timed_out:
@@ -336,11 +359,11 @@ class BatchRun:
         self.window_sequences += 1
         self.window_tokens += event.metrics.generated_tokens
         del self.running[event.key]
-        self.ctx.current_items.discard(event.key)
         if running.timed_out:
             self._fail(running.job, running.execution, _timeout(running.job))
             return
         if event.metrics.finish_reason == "cancelled":
+            self.ctx.current_items.discard(event.key)
             fail_item(self.ctx.engine, event.key, self.ctx.me, "cancelled while running", final=True,
                       status=Status.CANCELLED)
             self._succeed(running.job, running.execution, {"item": event.key, "cancelled": True})
@@ -350,12 +373,12 @@ class BatchRun:
         result = result_row(self.target, self.draft, generation, energy, self.decoder.probe if self.draft else None,
                             running.timings | {"generation_s": time.perf_counter() - running.joined}, self.window_id)
         try:
-            stored = finish_item(self.ctx.engine, event.key, self.ctx.me, result)
-        except Exception as error:  # noqa: BLE001 - RQ tries the job again
-            # A database that failed cannot record why; one that refused the result can, and the
-            # item then fails with the reason after RQ's retries rather than stay running.
-            self._fail(running.job, running.execution, sys.exc_info(), record=not isinstance(error, DatabaseFailure))
+            # The batch waits while the database fails: every row's result would wait alike.
+            stored = store_result(self.ctx, event.key, result)
+        except Exception:  # noqa: BLE001 - refused: the item fails with the reason after RQ's retries
+            self._fail(running.job, running.execution, sys.exc_info())
             return
+        self.ctx.current_items.discard(event.key)  # renewed while its result waited
         self._succeed(running.job, running.execution,
                       {"item": event.key, "stored": stored, "tokens": result.generated_tokens})
 

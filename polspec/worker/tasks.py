@@ -6,10 +6,12 @@ worker's resident models, and writes the result and the item's status in one tra
 
 Failures are sorted by whether trying again can help. A :class:`PolspecError` (the prompt is
 too long for the model, a model cannot load) fails the item at once with its one-line reason
-and the job ends normally: retrying would fail the same way. The database failing meanwhile
-(:class:`DatabaseFailure`) is raised again untouched, so that RQ retries the job. Anything
-else (out of memory, the job timeout) is recorded on the item and raised again so that RQ
-retries the job; on the last attempt the item is marked failed with the reason.
+and the job ends normally: retrying would fail the same way. The database failing
+(:class:`DatabaseFailure`) as the item is claimed is raised again untouched, so that RQ
+retries the job; failing as its result is stored, the result waits in the worker until the
+database answers (:func:`store_result`): the decoding was the costly part. Anything else (out
+of memory, the job timeout) is recorded on the item and raised again so that RQ retries the
+job; on the last attempt the item is marked failed with the reason.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from polspec.models.loader import LoadedModel
 from polspec.store.engine import display_url
 from polspec.store.items import Claim, cancelled_items, claim_item, fail_item, finish_item
 from polspec.store.schema import Result, Status
-from polspec.worker import context
+from polspec.worker import FIRST_PAUSE_S, WAIT_MAX_S, context
 from polspec.worker.energy import EnergyReading, measure_energy
 
 PROGRESS_INTERVAL_S = 1.0
@@ -68,7 +70,7 @@ def run_item(database_id: str, item_id: int) -> dict[str, Any]:
         result = _generate(ctx, claim)
         # Inside: a result the database refuses (not one it fails to take) fails the item like
         # an error of its own, with the reason, rather than leave it running after RQ's retries.
-        stored = finish_item(ctx.engine, item_id, ctx.me, result)
+        stored = store_result(ctx, item_id, result)
     except Cancelled:
         fail_item(ctx.engine, item_id, ctx.me, "cancelled while running", final=True, status=Status.CANCELLED)
         return {"item": item_id, "cancelled": True}
@@ -86,6 +88,40 @@ def run_item(database_id: str, item_id: int) -> dict[str, Any]:
         ctx.current_items.discard(item_id)
         mx.clear_cache()
     return {"item": item_id, "stored": stored, "tokens": result.generated_tokens}
+
+
+def store_result(ctx: context.WorkerContext, item_id: int, result: Result) -> bool:
+    """Store a finished item's result (:func:`~polspec.store.items.finish_item`), waiting for
+    a database that fails meanwhile (a restart, SQLite locked past its busy timeout by a long
+    writer) with a growing pause, for as long as it takes: the result is kept, not decoded
+    again. Only a forced stop (a second Ctrl+C) gives it up, and the item is then decoded
+    again by the next worker. Returns whether it was stored (False: not this worker's any
+    more, e.g. taken over while the database was away)."""
+    pause = FIRST_PAUSE_S
+    while True:
+        try:
+            stored = finish_item(ctx.engine, item_id, ctx.me, result)
+        except DatabaseFailure as error:
+            if pause == FIRST_PAUSE_S:
+                log.warning("the database failed (%s): the result of item %d waits in this worker until it answers",
+                            error, item_id)
+            time.sleep(pause)
+            pause = min(pause * 2, WAIT_MAX_S)
+            continue
+        if pause != FIRST_PAUSE_S:
+            log.warning("the database answers again: the result of item %d is %s", item_id,
+                        "stored" if stored else "not stored (another worker took the item over meanwhile)")
+        return stored
+
+
+def known_cancelled(ctx: context.WorkerContext, item_ids: list[int]) -> set[int]:
+    """Which of these items are cancelled (:func:`~polspec.store.items.cancelled_items`); none
+    while the database fails: decoding goes on, and a cancel is seen once it answers."""
+    try:
+        return cancelled_items(ctx.engine, item_ids)
+    except DatabaseFailure as error:
+        log.debug("no cancel check: %s", error)
+        return set()
 
 
 def load_models(ctx: context.WorkerContext, spec: GenerateSpec) -> tuple[LoadedModel, LoadedModel | None]:
@@ -146,7 +182,7 @@ class _Progress:
             return
         self.next_check = time.monotonic() + PROGRESS_INTERVAL_S
         self.renew_energy()
-        if cancelled_items(self.ctx.engine, [self.item_id]):
+        if known_cancelled(self.ctx, [self.item_id]):
             raise Cancelled
         if self.job is not None:
             self.job.meta.update(tokens=tokens, max_tokens=self.max_tokens, rounds=metrics.rounds)

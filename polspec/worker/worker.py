@@ -9,14 +9,15 @@ Why a subclass (facts in ``design/QUEUE.md``):
   ``job_monitoring_interval`` and the item's lease in the database, while generation stays on
   the main thread (MLX streams are thread-local);
 - Redis may restart while an item runs. The result is already in the database by then, so
-  the worker waits for Redis to come back instead of quitting. Likewise a database that fails
-  (a restart, SQLite locked past its busy timeout) ends a batch, or a job, whose jobs go back
-  to RQ for a retry, and the worker waits for the database: RQ's loop would quit on the error,
-  with status 0, and leave the items running until a worker starts again; or, where RQ took the
-  error itself (a job run alone), take job after job, each failing at once until its retries
-  ran out, and leave their items queued with no job. Once either is back the worker runs
-  :func:`~polspec.jobs.control.recover`, which gives a job to every item the outage left
-  without one;
+  the worker waits for Redis to come back instead of quitting. A database that fails (a
+  restart, SQLite locked past its busy timeout) as a result is stored keeps the result waiting
+  in the worker (:func:`~polspec.worker.tasks.store_result`); one that fails as a job starts
+  ends the job, which goes back to RQ for a retry, and the worker waits for the database: RQ's
+  loop would quit on the error, with status 0, and leave the items running until a worker
+  starts again; or, where RQ took the error itself (a job run alone), take job after job, each
+  failing at once until its retries ran out, and leave their items queued with no job. Once
+  either is back the worker runs :func:`~polspec.jobs.control.recover`, which gives a job to
+  every item the outage left without one;
 - the same recover runs at RQ's maintenance (every 10-15 minutes) when the worker's queues are
   empty: items whose jobs Redis lost while the worker waited for work (a restart without
   persistence, a flush) run without anyone typing ``polspec recover``. The pause before a
@@ -53,13 +54,11 @@ from polspec.jobs.queue import JOB_FUNCTION
 from polspec.processes import this_host
 from polspec.store.engine import session_scope
 from polspec.store.items import Pairing, item_pairings, renew_leases
-from polspec.worker import HEARTBEAT_GRACE_S, HEARTBEAT_INTERVAL_S, context
+from polspec.worker import FIRST_PAUSE_S, HEARTBEAT_GRACE_S, HEARTBEAT_INTERVAL_S, WAIT_MAX_S, context
 from polspec.worker.batching import BatchRun, job_item
 
 log = logging.getLogger("polspec.worker")
 
-FIRST_PAUSE_S = 0.5  # before the first try of Redis, or of the database, after an outage
-REDIS_WAIT_MAX_S = 30.0  # the longest pause between two tries
 PUBSUB_POLL_S = 0.5
 
 
@@ -256,7 +255,7 @@ class PolspecWorker(SimpleWorker):
         growing from where it was until a job ends without an outage (see the module docstring)."""
         while not self._stop_requested:
             time.sleep(self.pause)
-            self.pause = min(self.pause * 2, REDIS_WAIT_MAX_S)
+            self.pause = min(self.pause * 2, WAIT_MAX_S)
             try:
                 answers()
             except failure:
