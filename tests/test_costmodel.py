@@ -278,7 +278,8 @@ def test_stored_probe_is_measured_on_first_use_then_read_back(gemma3, smollm2, h
 
 
 @pytest.mark.slow
-def test_auto_falls_back_to_plain_decoding_when_no_k_can_pay(gemma3, smollm2, home_with_models, resident_models):
+def test_auto_falls_back_to_plain_decoding_when_no_k_can_pay(gemma3, smollm2, home_with_models, resident_models,
+                                                            monkeypatch):
     save_probe(Probe("gemma3-270m", "smollm2-135m", c=2.0, rho=(1.0,) * 9, tau=0.0, draft_vocab=DEFAULT_SIZE))
     params = DecodingParams(max_tokens=12, k="auto")
     result = generate(gemma3, smollm2, "Kraków jest", params)
@@ -289,6 +290,13 @@ def test_auto_falls_back_to_plain_decoding_when_no_k_can_pay(gemma3, smollm2, ho
     cli = CliRunner().invoke(main, ["generate", "Kraków jest", "--draft", "smollm2-135m", "--k", "auto",
                                     "--max-tokens", "2"])
     assert cli.exit_code == 0 and f"note: {result.metrics.k_policy_note}\n" in cli.output
+    assert "measuring what a round costs" not in cli.output
+    # A probe of another draft vocabulary is measured again, and the command line says so first.
+    monkeypatch.setattr(run, "measure_probe", functools.partial(measure_probe, repeats=1, context=8))
+    cli = CliRunner().invoke(main, ["generate", "Kraków jest", "--draft", "smollm2-135m", "--k", "auto",
+                                    "--max-tokens", "2", "--draft-vocab", "full"])
+    assert cli.exit_code == 0 and "k=auto: measuring what a round costs for gemma3-270m with smollm2-135m" in cli.output
+    assert load_probe("gemma3-270m", "smollm2-135m").draft_vocab is None  # the full vocabulary
 
 
 @pytest.mark.slow

@@ -66,7 +66,7 @@ def generate(ctx: click.Context, prompt: str, target: str, draft: str, raw: bool
     from polspec.decoding.metrics import DecodeMetrics
     from polspec.decoding.probe_files import load_probe
     from polspec.decoding.prompts import chat_mode, check_draft_template, check_prompt
-    from polspec.decoding.run import generate as generate_text, stream
+    from polspec.decoding.run import generate as generate_text, probe_outdated, stream
     from polspec.jobs.spec import GenerateSpec, ItemInput, check_items_fit
     from polspec.models.loader import load_model
     from polspec.models.registry import load_registry
@@ -88,7 +88,8 @@ def generate(ctx: click.Context, prompt: str, target: str, draft: str, raw: bool
     check_items_fit(GenerateSpec(target, None, params, chat), [ItemInput("PROMPT", prompt)])
     target_model = load_model(target)
     draft_model = None if draft == "none" else load_model(draft)
-    if draft_model is not None and params.k == "auto" and load_probe(target, draft) is None:
+    if draft_model is not None and params.k == "auto" and probe_outdated(load_probe(target, draft), draft_model,
+                                                                         draft_vocab=params.draft_vocab):
         click.echo(f"k=auto: measuring what a round costs for {target} with {draft} on this machine, once "
                    "(a minute or two; `polspec models probe` does it ahead of time)", err=True)
     if as_json:

@@ -66,11 +66,16 @@ def stored_probe(target: LoadedModel, draft: LoadedModel, batched: bool = False,
     measured with another draft vocabulary than ``draft_vocab`` gives (compared by the tokens
     the draft's head keeps, the size plus the byte and special tokens, as the probe records)."""
     probe = load_probe(target.entry.alias, draft.entry.alias)
-    if (probe is None or (batched and not probe.batch)
-            or probe.draft_vocab != draft_head(draft, draft_vocab).size):
+    if probe_outdated(probe, draft, batched, draft_vocab):
         probe = measure_probe(target, draft, batch_sizes=BATCH_SIZES if batched else (), draft_vocab=draft_vocab)
         save_probe(probe)
     return probe
+
+
+def probe_outdated(probe: Probe | None, draft: LoadedModel, batched: bool = False,
+                   draft_vocab: int | str = "auto") -> bool:
+    """Whether :func:`stored_probe` measures the pair again rather than use ``probe``."""
+    return probe is None or (batched and not probe.batch) or probe.draft_vocab != draft_head(draft, draft_vocab).size
 
 
 def auto_draft_length(target: LoadedModel, draft: LoadedModel, params: DecodingParams) -> DraftLength | None:
