@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -56,6 +57,21 @@ def test_user_file_adds_and_overrides(isolated_home):
     assert registry.model("gemma3-270m").source == "gguf:/elsewhere/gemma.gguf"
     assert registry.model("mine").tokenizer_family == "mine"
     assert registry.model("smollm2-135m").sha256  # built-ins stay
+
+
+def test_a_user_table_for_a_built_in_alias_changes_only_the_keys_it_gives(isolated_home):
+    """It replaced the whole entry: a table giving only a local source lost the chat template
+    and end tokens (generations ran to max_tokens), one giving only a draft_vocab had no source."""
+    isolated_home.mkdir(parents=True)
+    (isolated_home / "models.toml").write_text('[models.smollm2-135m]\nsource = "dir:/models/smollm2"\n\n'
+                                               '[models.gemma3-270m]\ndraft_vocab = 4096\n')
+    built_in = {alias: load_registry(isolated_home / "none.toml").model(alias) for alias in ("smollm2-135m", "gemma3-270m")}
+    registry = load_registry()
+    moved = registry.model("smollm2-135m")
+    assert moved.source == "dir:/models/smollm2" and moved.sha256 is None  # the sha256 pinned the other source
+    assert (moved.chat_template, moved.eos_tokens, moved.tokenizer_family) == (
+        True, built_in["smollm2-135m"].eos_tokens, built_in["smollm2-135m"].tokenizer_family)
+    assert registry.model("gemma3-270m") == dataclasses.replace(built_in["gemma3-270m"], draft_vocab=4096)
 
 
 def test_models_show_gives_an_entry_s_own_draft_vocabulary(isolated_home):

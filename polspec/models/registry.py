@@ -1,7 +1,8 @@
 """Model aliases: the built-in registry (``polspec/data/models.toml``) plus the user's file.
 
 An alias names a model (weights and tokenizer) or, under ``tok:``, a tokenizer alone. The
-user file ``$POLSPEC_HOME/models.toml`` has the same shape and wins over built-in entries.
+user file ``$POLSPEC_HOME/models.toml`` has the same shape and adds aliases; its table for a
+built-in alias changes the keys it gives and keeps the others.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import codecs
 import difflib
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
 
@@ -114,8 +115,10 @@ def _check_keys(where: str, alias: str, table: object, allowed: set[str]) -> Non
         raise PolspecError(f"{where}: [{alias}] {error}") from None
 
 
-def parse_registry(text: str, where: str) -> Registry:
-    """Parse one registry file; ``where`` names it in error messages."""
+def parse_registry(text: str, where: str, base: Registry | None = None) -> Registry:
+    """Parse one registry file; ``where`` names it in error messages. A table for an alias of
+    ``base`` (the built-in registry, under the user's file) is read over that entry
+    (:func:`_over`)."""
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as error:
@@ -130,6 +133,7 @@ def parse_registry(text: str, where: str) -> Registry:
             raise PolspecError(f"{where}: '{kind}' must be tables such as [{kind}.NAME], got {data[kind]!r}")
     registry = Registry()
     for alias, table in data.get("models", {}).items():
+        table = _over(base and base.models.get(alias), table)
         _check_keys(where, f"models.{alias}", table, MODEL_KEYS)
         table = dict(table, eos_tokens=tuple(table.get("eos_tokens", ())))
         if "sha256" in table:  # the cache names an import by its lowercase hash
@@ -143,6 +147,7 @@ def parse_registry(text: str, where: str) -> Registry:
                                f"tokens or \"full\", got {vocab!r}")
         registry.models[alias] = ModelEntry(alias=alias, **table)
     for name, table in data.get("tokenizers", {}).items():
+        table = _over(base and base.tokenizers.get(TOKENIZER_PREFIX + name), table)
         _check_keys(where, f"tokenizers.{name}", table, TOKENIZER_KEYS)
         if table.get("format") not in TOKENIZER_FORMATS:
             raise PolspecError(f"{where}: [tokenizers.{name}] format must be one of {', '.join(TOKENIZER_FORMATS)}")
@@ -160,10 +165,24 @@ def load_registry(user_file: Path | None = None) -> Registry:
     registry = parse_registry(builtin, "polspec/data/models.toml")
     user_file = user_file or user_registry_file()
     if user_file.exists():
-        user = parse_registry(read_registry_text(user_file), str(user_file))
+        user = parse_registry(read_registry_text(user_file), str(user_file), base=registry)
         registry.models.update(user.models)
         registry.tokenizers.update(user.tokenizers)
     return registry
+
+
+def _over(entry: ModelEntry | TokenizerEntry | None, table: object) -> object:
+    """A user's ``table`` for a built-in ``entry``: the built-in's keys with the table's over
+    them, so that changing one key (a local ``source``, a ``draft_vocab``) keeps the chat
+    template and end tokens. A new source drops the built-in ``sha256``, which pinned the
+    other source's bytes."""
+    if entry is None or not isinstance(table, dict):
+        return table
+    kept = {key: list(value) if isinstance(value, tuple) else value
+            for key, value in asdict(entry).items() if key != "alias" and value is not None}
+    if "source" in table:
+        kept.pop("sha256", None)
+    return kept | table
 
 
 def read_registry_text(path: Path) -> str:
