@@ -33,6 +33,7 @@ from polspec.jobs import sweep as sweep_module
 from polspec.jobs.sweep import expand_sweep, load_sweep
 from polspec.report.render import markdown
 from polspec.report.summary import (CellKey, Pair, Row, SweepReport, Window, cell_row, joules_per_token, mean_interval,
+                                     t_quantile_95,
                                     predicted_speedup_of_cell, row_order, sweep_report)
 from polspec.report.summary import headline as summary_headline
 from polspec.store.engine import make_engine, session_scope
@@ -194,8 +195,14 @@ def test_settings_that_change_nothing_and_limits_past_a_dataset_s_end_are_noted(
         "sweep sweep-"), result.output
     assert "would queue 6 cells" in result.output  # a baseline, naive and none per dataset
     sampled = expand_sweep(config(strategies=["aligned"], prefix=[3, 5], seeds=[0, 1], top_p=0.9, temperature=0.7,
-                                  partial_word="hold"), "test.toml")
+                                  partial_word="hold", verify="exact"), "test.toml")
     assert sampled.notes == []  # each read
+    # Speculative sampling translates nothing: of the strategies and prefixes only the first runs.
+    mapped = expand_sweep(config(strategies=["aligned", "naive"], prefix=[3, 5], temperature=0.7), "test.toml")
+    assert mapped.notes == ["'strategies', 'prefix' have no effect with verify auto at temperature above 0 "
+                            "(speculative sampling maps tokens, it translates none): only the first of each runs"]
+    assert {cell.config.get("strategy") for cell in mapped.cells} == {None, "aligned"}
+    assert expand_sweep(config(strategies=["aligned", "naive"], temperatures=[0.0, 0.7]), "test.toml").notes == []
 
 
 def test_the_size_a_sweep_is_refused_at_is_the_size_it_builds(monkeypatch):
@@ -252,6 +259,13 @@ def test_temperature_and_temperatures_together_is_one_line(tmp_path):
     ({"name": " "}, "test.toml: 'name' must be some text on one line (or be left out), got ' '"),
     ({"name": "noc\nna"}, "test.toml: 'name' must be some text on one line (or be left out), got 'noc"),
     ({"seeds": [-1]}, "test.toml: seed must be between 0 and"),
+    # Values of cells the grid leaves out (later seeds when greedy, later strategies and prefixes
+    # under tli or where no strategy reads them) are checked all the same.
+    ({"seeds": [0, -1]}, "test.toml: seed must be between 0 and"),
+    ({"seeds": [0, datetime(1979, 5, 27).date()]}, 'test.toml: seed must be a whole number, got "datetime.date'),
+    ({"temperature": 0.7, "verify": "tli", "strategies": ["aligned", "bogus"]}, "test.toml: unknown strategy 'bogus'"),
+    ({"temperature": 0.7, "verify": "tli", "strategies": ["aligned", {"x": 1}]}, "test.toml: unknown strategy"),
+    ({"strategies": ["naive"], "prefix": [5, -3]}, "test.toml: prefix must be"),
     ({"target": "qwen2.5-coder-1.5b", "drafts": ["gemma3-270m"], "raw": False}, "test.toml: draft gemma3-270m has no chat template but qwen2.5-coder-1.5b runs in chat mode: add raw = true"),
     ({"repeats": 0}, "'repeats' must be a whole number of at least 1"),
     ({"repeats": True}, "test.toml: 'repeats' must be a whole number of at least 1, got True"),
@@ -516,6 +530,9 @@ def test_the_interval_of_close_ratios_is_the_t_interval():
     ratios = [1.1, 1.2, 1.3, 1.2]
     half = 3.182 * statistics.stdev(ratios) / 2  # t(0.975, 3 degrees of freedom), 4 prompts
     assert mean_interval(ratios) == pytest.approx((1.2, 1.2 - half, 1.2 + half), abs=1e-3)
+    # Past the table's 30 degrees of freedom: Student's t from published tables, not the normal 1.96.
+    for freedom, quantile in ((30, 2.042), (31, 2.040), (40, 2.021), (60, 2.000), (120, 1.980)):
+        assert t_quantile_95(freedom) == pytest.approx(quantile, abs=1e-3)
 
 
 def test_a_sweep_whose_dataset_gained_or_changed_prompts_is_not_resumed(env, tmp_path):
@@ -905,7 +922,7 @@ def test_a_sweep_over_batch_sizes_decodes_each_cell_in_its_batches_and_reports_t
 def test_the_report_pairs_each_temperature_with_its_own_baseline_and_shows_temperature_and_verify(env, tmp_path):
     sweep_file = tmp_path / "sampled.toml"
     sweep_file.write_text(SMALL.replace('strategies = ["aligned", "naive"]', 'strategies = ["aligned"]')
-                          + 'temperatures = [0.0, 0.7]\nverify = ["exact", "tli"]\n')
+                          + 'temperatures = [0.0, 0.7]\nverify = ["tli", "exact"]\n')
     code, output = cli(env, "enqueue", "sweep", "--config", str(sweep_file), "--json")
     assert code == 0, output
     sweep = json.loads(output)["batch"]
@@ -928,6 +945,7 @@ def test_the_report_pairs_each_temperature_with_its_own_baseline_and_shows_tempe
     code, output = cli(env, "report", str(sweep), "--format", "json")
     assert code == 0, output
     report = json.loads(output.splitlines()[0])
+    # Greedy rows verified by exact match, though their cells carry the file's first verify.
     assert sorted((row["temperature"], row["verify"], row["k"]) for row in report["rows"]) == [
         (0.0, "exact", "1"), (0.0, "exact", "2"),
         *((0.7, verify, k) for verify in ("exact", "tli") for k in ("1", "2"))]
@@ -980,11 +998,12 @@ def test_the_report_tells_cells_at_two_prefixes_apart(env, tmp_path):
 
 def sampled_factor_of(config: dict) -> float:
     """The made-up speedup of a sampled sweep's cell (or report row) in the test above."""
-    return 1 + int(config["k"]) / 10 + (0.5 if config["verify"] == "tli" else 0.0) + config["temperature"]
+    tli = config["verify"] == "tli" and config["temperature"]  # greedy cells verify by exact match
+    return 1 + int(config["k"]) / 10 + (0.5 if tli else 0.0) + config["temperature"]
 
 
 def accepted_of(config: dict) -> int:
-    return 3 if config["verify"] == "tli" else 1
+    return 3 if config["verify"] == "tli" and config["temperature"] else 1
 
 
 def test_cells_of_sweeps_from_before_temperature_grids_count_at_the_sweeps_temperature(env, tmp_path):

@@ -147,6 +147,11 @@ def expand_sweep(config: dict[str, Any], source: str, folder: Path | None = None
     for size in grid["batch"]:
         _at_least_one(size, "every 'batch' size", source)
     base = _params(config, source, temperature=temperatures[0], verify=verifies[0])
+    # Each value of the grid's lists on its own: a cell the grid leaves out (later seeds when
+    # greedy, later strategies under tli) must not hide a value that cannot run.
+    for key, param in (("seeds", "seed"), ("strategies", "strategy"), ("k", "k"), ("prefix", "prefix")):
+        for value in grid[key]:
+            _params(config, source, temperature=temperatures[0], verify=verifies[0], **{param: value})
     raw = config.get("raw", False)
     if not isinstance(raw, bool):
         raise PolspecError(f"{source}: 'raw' must be true or false")
@@ -178,7 +183,7 @@ def expand_sweep(config: dict[str, Any], source: str, folder: Path | None = None
 
     plan = SweepPlan(config.get("name") or _default_name(config), spec, dict(config))
     plan.cells = [cell for cells in per_dataset.values() for cell in cells]
-    plan.notes = _notes(config, grid, temperatures, datasets, prompts)
+    plan.notes = _notes(config, grid, temperatures, verifies, datasets, prompts)
     chunk = max(grid["batch"])
     ids: dict[str, str] = {}  # an item's key, the id of the prompt it was made for
     for dataset, _ in datasets:
@@ -230,11 +235,11 @@ def _cells(config: dict[str, Any], source: str, dataset: str, grid: dict[str, li
     return cells
 
 
-def _notes(config: dict[str, Any], grid: dict[str, list], temperatures: list[float],
+def _notes(config: dict[str, Any], grid: dict[str, list], temperatures: list[float], verifies: list,
            datasets: list[tuple[str, int | None]], prompts: dict[str, list]) -> list[str]:
     """What the file asks for that changes nothing, as ``generate`` tells of its options: the
-    sampler's keys where nothing is sampled, a strategy's own where no strategy reads them, and a
-    dataset's limit past its end."""
+    sampler's keys where nothing is sampled, a strategy's own where no strategy reads them,
+    strategies and prefixes where no round translates, and a dataset's limit past its end."""
     notes = []
     greedy = [key for key in ("seeds", "top_p", "top_k", "verify")
               if key in config and not (key == "seeds" and len(grid["seeds"]) == 1)] if not any(temperatures) else []
@@ -246,6 +251,12 @@ def _notes(config: dict[str, Any], grid: dict[str, list], temperatures: list[flo
             alone = f": only the first {one} runs" if listed in keys else ""
             notes.append(f"{', '.join(repr(key) for key in keys)} {'has' if len(keys) == 1 else 'have'} no effect "
                          f"{reason}{alone}")
+    # Every round sampled and verified by speculative sampling, which maps tokens: no cell translates.
+    mapped = [key for key in ("strategies", "prefix") if len(grid[key]) > 1 and key not in unread]
+    if mapped and all(temperatures) and "exact" not in verifies:
+        notes.append(f"{', '.join(repr(key) for key in mapped)} {'has' if len(mapped) == 1 else 'have'} no effect "
+                     f"with verify {', '.join(verifies)} at temperature above 0 (speculative sampling maps tokens, "
+                     f"it translates none): only the first {'of each ' if len(mapped) > 1 else ''}runs")
     notes += [f"dataset {name!r} holds {len(prompts[name])} prompts, fewer than its limit of {limit}: all of them run"
               for name, limit in datasets if limit is not None and len(prompts[name]) < limit]
     return notes

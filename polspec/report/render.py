@@ -129,7 +129,8 @@ def _sampling_note(report: SweepReport) -> list[str]:
     if not sampled:
         return []
     where = f"at temperature {sampled[0]:g}" if len(sampled) == 1 else "at temperatures above 0"
-    how = f"verify {report.verifies[0]}" if len(report.verifies) == 1 else "the verify of their row"
+    verifies = {row.verify for row in report.rows if row.temperature}
+    how = f"verify {verifies.pop()}" if len(verifies) == 1 else "the verify of their row"
     return [f"Rows {where} sample with {how} (auto is tli: speculative sampling over the shared vocabulary; "
             "exact keeps a candidate only where the target samples the same token), so acceptance per draft "
             "token is the number verification changes; greedy rows always verify by exact match.", ""]
