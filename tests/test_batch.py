@@ -3,6 +3,7 @@ batching (join, leave, cancel), ragged caches, the sampled distribution and per-
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 
 import mlx.core as mx
@@ -274,6 +275,32 @@ def test_a_row_feeds_the_draft_its_prompt_only_when_it_first_proposes(gemma3, sm
     assert tokens[0] == single(gemma3, 0)
     assert_same_or_float_tie(gemma3, PROMPTS[1], generate(gemma3, None, PROMPTS[1], DecodingParams(max_tokens=16),
                                                          chat=False).token_ids, tokens[1])
+
+
+def test_a_row_joining_pays_its_own_draft_prompt_feed_in_its_decode_time(gemma3, smollm2, monkeypatch):
+    """The draft's feed of a joining row's prompt is that row's cost, as its target prefill is:
+    the rows already decoding were charged it in their draft time (a long-lived row of a
+    continuous batch paid for every row that joined, and its tokens/s read low). The feed is
+    made to take 3 s here, far above the rows' own rounds."""
+    warm = BatchDecoder._warm
+
+    def slow_warm(self, cold):
+        time.sleep(3.0)
+        warm(self, cold)
+
+    monkeypatch.setattr(BatchDecoder, "_warm", slow_warm)
+    decoder = BatchDecoder(gemma3, smollm2, max_batch=2)
+    decoder.add(0, PROMPTS[0], DecodingParams(max_tokens=12, k=2), chat=False)
+    metrics = {}
+    rounds = 0
+    while decoder:
+        rounds += 1
+        if rounds == 3:
+            decoder.add(1, PROMPTS[1], DecodingParams(max_tokens=4, k=2), chat=False)
+        for event in decoder.step():
+            metrics[event.key] = event.metrics
+    assert 3.0 <= metrics[0].draft_s < 6.0  # its own feed, not the joiner's
+    assert metrics[1].draft_s >= 3.0
 
 
 def test_a_row_alone_under_auto_drafts_past_its_k_while_the_draft_is_sure(gemma3, smollm2):

@@ -168,10 +168,15 @@ class BatchDecoder:
             sequence.policy.k = sequence.policy.k_within(sequence.params.max_tokens - len(sequence.committed),
                                                          sequence.draft_text.unfed)
 
-        clock = time.perf_counter()
         cold = [row for row, s in enumerate(self.rows) if s.policy and s.policy.k and not s.draft_warm]
         if cold:
+            # The draft's prompt feed is the warmed rows' own, as a joining row's target prefill is
+            # its own: the rows beside them would otherwise pay it in their decode time.
+            warmed, clock = [self.rows[row] for row in cold], time.perf_counter()
             self._warm(cold)
+            for sequence in warmed:
+                sequence.metrics.draft_s += time.perf_counter() - clock
+        clock = time.perf_counter()
         remaining = [s.params.max_tokens - len(s.committed) for s in self.rows]
         ks = [min(s.policy.k, left) if s.policy else 0 for s, left in zip(self.rows, remaining)]
         floors = [_floor(s, k) for s, k in zip(self.rows, ks)]
@@ -508,8 +513,14 @@ def stream_batch(
 
 
 def free_memory_bytes() -> int:
-    """Memory this process may still use: the kernel's MemAvailable on Linux, else physical
-    memory less what MLX holds (unified memory on a Mac)."""
+    """Memory this process may still use: on a CUDA GPU the device's free memory, where the
+    caches live (the host's MemAvailable says nothing of it, and the weights fill part of the
+    card already); else the kernel's MemAvailable on Linux, else physical memory less what MLX
+    holds (unified memory on a Mac)."""
+    if mx.default_device().type == mx.gpu:
+        free = mx.device_info().get("free_memory")  # MLX gives it for CUDA devices only
+        if isinstance(free, int):
+            return free
     try:
         with open("/proc/meminfo") as meminfo:
             for line in meminfo:
