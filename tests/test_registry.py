@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from polspec.cli import main
 from polspec.errors import PolspecError
 from polspec.models.loader import load_model
-from polspec.models.registry import load_registry
+from polspec.models.registry import ModelEntry, add_user_model, load_registry
 from polspec.models.sources import DirSource, GgufSource, HfSource, WheelPart, WheelSource, parse_source
 
 
@@ -72,6 +72,10 @@ def test_a_user_table_for_a_built_in_alias_changes_only_the_keys_it_gives(isolat
     assert (moved.chat_template, moved.eos_tokens, moved.tokenizer_family) == (
         True, built_in["smollm2-135m"].eos_tokens, built_in["smollm2-135m"].tokenizer_family)
     assert registry.model("gemma3-270m") == dataclasses.replace(built_in["gemma3-270m"], draft_vocab=4096)
+    assert moved.description == ""  # the built-in's told of its own bytes
+    # An import appends its table to such a file (it read the partial tables as errors).
+    add_user_model(ModelEntry("mine", "dir:/models/mine", "llama", "mine"))
+    assert load_registry().model("mine").source == "dir:/models/mine"
 
 
 def test_models_show_gives_an_entry_s_own_draft_vocabulary(isolated_home):

@@ -18,6 +18,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
+import redis
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
@@ -34,7 +35,7 @@ from polspec.errors import DatabaseFailure, PolspecError
 from polspec.jobs.datasets import load_dataset
 from polspec.jobs.enqueue import enqueue_generate
 from polspec.jobs.spec import GenerateSpec
-from polspec.jobs.control import cancel
+from polspec.jobs.control import cancel, recover
 from polspec.store.engine import display_url, make_engine, session_scope, sqlite_file
 from polspec.store.energy_windows import close_energy_window, open_energy_window
 from polspec.store.items import (
@@ -621,6 +622,30 @@ def test_two_workers_finishing_a_batch_s_last_items_at_once_leave_it_done(engine
     finish_while(engine, first, finishing)
     with session_scope(engine) as session:
         assert session.get(Batch, batch.id).status == "done"
+
+
+def test_a_result_kept_while_its_lease_ran_out_is_stored_unless_another_worker_claimed_the_item(
+        engine: Engine, redis_url: str) -> None:
+    """A worker keeps a finished result while the database is away; meanwhile its lease runs out,
+    and the first recover once the database answers queues the item again. The result was
+    refused (the item no longer running), and the item decoded again. Now it is stored while
+    no worker has claimed the item since; once another has, that one's decoding wins. A finish
+    whose commit went through but whose answer was lost reads as stored, once."""
+    with session_scope(engine) as session:
+        batch = new_batch(session)
+        kept, taken = new_item(session, batch, "a").id, new_item(session, batch, "b").id
+    me, other = Worker("host", 1), Worker("host", 2)
+    for item_id in (kept, taken):
+        claim_item(engine, item_id, me)
+    requeued = recover(engine, redis.Redis.from_url(redis_url), batch.id, me=other, lease_s=0)
+    assert requeued.total == 2
+    claim_item(engine, taken, other)
+    assert finish_item(engine, kept, me, new_result(Item(id=kept)))
+    assert not finish_item(engine, taken, me, new_result(Item(id=taken)))
+    assert finish_item(engine, kept, me, new_result(Item(id=kept)))  # again: stored already, not twice
+    with session_scope(engine) as session:
+        results = session.scalars(select(Result.item_id)).all()
+        assert results == [kept] and session.get(Item, taken).status == "running"
 
 
 def test_an_enqueue_by_name_reads_its_batch_after_a_finish_that_settles_it(db_url: str, redis_url: str) -> None:

@@ -170,12 +170,7 @@ class BatchDecoder:
 
         cold = [row for row, s in enumerate(self.rows) if s.policy and s.policy.k and not s.draft_warm]
         if cold:
-            # The draft's prompt feed is the warmed rows' own, as a joining row's target prefill is
-            # its own: the rows beside them would otherwise pay it in their decode time.
-            warmed, clock = [self.rows[row] for row in cold], time.perf_counter()
             self._warm(cold)
-            for sequence in warmed:
-                sequence.metrics.draft_s += time.perf_counter() - clock
         clock = time.perf_counter()
         remaining = [s.params.max_tokens - len(s.committed) for s in self.rows]
         ks = [min(s.policy.k, left) if s.policy else 0 for s, left in zip(self.rows, remaining)]
@@ -289,7 +284,14 @@ class BatchDecoder:
         (a batched catch-up would pad every row to the longest prompt) and once however many
         rows share it; they move to the end of the batch, in both caches."""
         texts = [self.rows[row].draft_text.sequence[:-1] for row in cold]
-        singles = list(batch_kv.prefill_each(self.draft.model, self.draft_layers, texts))
+        singles = []
+        clock = time.perf_counter()
+        for row, single in zip(cold, batch_kv.prefill_each(self.draft.model, self.draft_layers, texts)):
+            # Each feed is its row's own draft time, as a joining row's target prefill is its own:
+            # the rows beside it would otherwise pay for it in their decode time.
+            self.rows[row].metrics.draft_s += time.perf_counter() - clock
+            singles.append(single)
+            clock = time.perf_counter()
         for row in cold:
             sequence = self.rows[row]
             text = sequence.draft_text
@@ -520,7 +522,7 @@ def free_memory_bytes() -> int:
     if mx.default_device().type == mx.gpu:
         free = mx.device_info().get("free_memory")  # MLX gives it for CUDA devices only
         if isinstance(free, int):
-            return free
+            return free + mx.get_cache_memory()  # the driver counts MLX's cached buffers as used
     try:
         with open("/proc/meminfo") as meminfo:
             for line in meminfo:

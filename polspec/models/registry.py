@@ -161,8 +161,7 @@ def parse_registry(text: str, where: str, base: Registry | None = None) -> Regis
 
 def load_registry(user_file: Path | None = None) -> Registry:
     """The built-in registry with the user's file merged over it."""
-    builtin = resources.files("polspec.data").joinpath("models.toml").read_text(encoding="utf-8")
-    registry = parse_registry(builtin, "polspec/data/models.toml")
+    registry = _built_in_registry()
     user_file = user_file or user_registry_file()
     if user_file.exists():
         user = parse_registry(read_registry_text(user_file), str(user_file), base=registry)
@@ -171,17 +170,23 @@ def load_registry(user_file: Path | None = None) -> Registry:
     return registry
 
 
+def _built_in_registry() -> Registry:
+    text = resources.files("polspec.data").joinpath("models.toml").read_text(encoding="utf-8")
+    return parse_registry(text, "polspec/data/models.toml")
+
+
 def _over(entry: ModelEntry | TokenizerEntry | None, table: object) -> object:
     """A user's ``table`` for a built-in ``entry``: the built-in's keys with the table's over
     them, so that changing one key (a local ``source``, a ``draft_vocab``) keeps the chat
-    template and end tokens. A new source drops the built-in ``sha256``, which pinned the
-    other source's bytes."""
+    template and end tokens. Another source drops the built-in ``sha256`` and ``description``,
+    which pinned and told of the built-in's bytes."""
     if entry is None or not isinstance(table, dict):
         return table
     kept = {key: list(value) if isinstance(value, tuple) else value
             for key, value in asdict(entry).items() if key != "alias" and value is not None}
-    if "source" in table:
+    if table.get("source", entry.source) != entry.source:
         kept.pop("sha256", None)
+        kept.pop("description", None)
     return kept | table
 
 
@@ -206,7 +211,8 @@ def add_user_model(entry: ModelEntry, user_file: Path | None = None) -> None:
 
 def _append_model(entry: ModelEntry, user_file: Path) -> None:
     existing = read_registry_text(user_file) if user_file.exists() else ""
-    if entry.alias in parse_registry(existing, str(user_file)).models:
+    built_in = _built_in_registry()  # the file's tables for built-in aliases may give only what they change
+    if entry.alias in parse_registry(existing, str(user_file), base=built_in).models:
         raise PolspecError(f"{user_file}: alias {entry.alias!r} already exists; choose another --name")
     lines = [
         f"\n[models.{_toml_string(entry.alias)}]",
@@ -220,7 +226,7 @@ def _append_model(entry: ModelEntry, user_file: Path) -> None:
         lines.append(f"sha256 = {_toml_string(entry.sha256)}")
     text = existing + "\n".join(lines) + "\n"
     try:
-        parse_registry(text, str(user_file))
+        parse_registry(text, str(user_file), base=built_in)
     except PolspecError:  # TOML forbids a [models.NAME] table after an inline `models = { ... }`
         raise PolspecError(f"{user_file}: cannot add a [models.{entry.alias}] table to it: it writes its models "
                            "inline (models = { ... }); write each as a [models.NAME] table and import again (the "

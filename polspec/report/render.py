@@ -95,8 +95,9 @@ def markdown(report: SweepReport) -> str:
                   "them out), and aggregate speedup divides it by "
                   "the target-only baseline's at the same B: the gain of a bulk run.", ""]
     lines += _sampling_note(report)
-    # Prefix, temperature and verify get columns only where the sweep varied them: the tables
-    # stay as narrow as the sweep.
+    # Prefix, temperature and verify get columns only where the rows differ in them (greedy rows
+    # verify exact, so a sweep over temperatures 0 and above shows verify): the tables stay as
+    # narrow as the sweep.
     sampling = [(heading, value) for heading, value, varied in (
         ("prefix", lambda row: f"{row.prefix}", len(report.prefixes) > 1),
         ("T", lambda row: f"{row.temperature:g}", len(report.temperatures) > 1),

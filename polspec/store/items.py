@@ -169,16 +169,22 @@ def cancelled_items(engine: Engine, item_ids: list[int]) -> set[int]:
 
 
 def finish_item(engine: Engine, item_id: int, me: Worker, result: Result) -> bool:
-    """Store the result and mark the item done, in one transaction; False if it was not ours.
+    """Store the result and mark the item done, in one transaction; whether the item has this
+    worker's result now.
 
-    An item that another worker took over or that got a result meanwhile keeps what it has.
+    An item that another worker claimed meanwhile keeps what it has (False). One a recover
+    queued again while this worker still held it (its lease ran out while the database was
+    away) and no worker has claimed since takes the result: it would be decoded again for
+    nothing. One already done by this worker has its result (the commit went through, its
+    answer was lost to the outage): True, and nothing is written twice.
     """
     with session_scope(engine) as session:
         item = _locked_item(session, item_id)
-        if item is None or item.status != Status.RUNNING.value or not me.holds(item):
+        if item is None or not me.holds(item):
             return False
-        if session.scalar(select(Result.id).where(Result.item_id == item_id)) is not None:
-            return False
+        stored = session.scalar(select(Result.id).where(Result.item_id == item_id)) is not None
+        if stored or item.status not in (Status.RUNNING.value, Status.QUEUED.value):
+            return stored and item.status == Status.DONE.value
         result.item_id = item_id
         session.add(without_nul(result))
         item.status = Status.DONE.value

@@ -25,9 +25,10 @@ Elsewhere every item in flight fails and is retried, as a job that raised.
 Redis is only the delivery channel: if it fails mid-batch, decoding goes on, every result is
 still written to the database, and the jobs' RQ bookkeeping is left to ``recover``. The
 database failing mid-batch (a restart, SQLite locked past its busy timeout) drops nothing
-either: decoding goes on without the cancel check and without new items, and a finished
+either: decoding goes on without the cancel check and without new items (an item whose claim
+failed goes back to the queue, and refills wait until a result is stored), and a finished
 result waits in the worker until the database takes it (:func:`~polspec.worker.tasks.store_result`),
-the batch with it.
+the batch with it, its other items' job timeouts held meanwhile.
 
 Energy: where a meter works, the batch is measured as one energy window
 (:mod:`polspec.store.energy_windows`) that each of its results names, from its first round to
@@ -69,8 +70,9 @@ from polspec.store.items import Pairing, claim_item, fail_item, item_pairings
 from polspec.store.schema import Status
 from polspec.worker import context
 from polspec.worker.energy import EnergyReading, Measurement
+from polspec.worker import FIRST_PAUSE_S
 from polspec.worker.tasks import (PROGRESS_INTERVAL_S, item_probe, known_cancelled, load_models, prompt_of,
-                                  result_row, store_result)
+                                  result_row, store_result, when_the_database_answers)
 
 if TYPE_CHECKING:
     from polspec.worker.worker import PolspecWorker
@@ -79,6 +81,7 @@ log = logging.getLogger("polspec.worker")
 
 SCAN_DEPTH = 256  # queued jobs read per refill when looking for items that fit the batch
 PROMPT_ALLOWANCE = 512  # prompt tokens allowed for per sequence when sizing a batch by memory
+REFILL_WAIT_MAX_S = 300.0  # the longest a batch goes without refills after the database failed one
 
 ExcInfo = tuple[type[BaseException], BaseException, TracebackType]
 
@@ -137,6 +140,7 @@ class BatchRun:
         self.target: LoadedModel | None = None
         self.draft: LoadedModel | None = None
         self.next_check = 0.0
+        self.refill_pause, self.refill_after = 0.0, 0.0  # refills wait this long after the database failed one
         self.redis_failed = False
         self.energy = Measurement(self.ctx.meter, mx.synchronize)
         self.window_id: int | None = None
@@ -245,7 +249,8 @@ class BatchRun:
             self.decoder.add(item_id, prompt_of(claim), params, spec.chat)
         except PolspecError as error:  # this item cannot run (a prompt too long, a model that fails to load)
             self.ctx.current_items.discard(item_id)
-            fail_item(self.ctx.engine, item_id, self.ctx.me, str(error), final=True)
+            when_the_database_answers(lambda: fail_item(self.ctx.engine, item_id, self.ctx.me, str(error), final=True),
+                                      f"the failure of item {item_id}")
             self._succeed(job, execution, {"item": item_id, "failed": str(error)})
             return
         except Exception:  # noqa: BLE001 - out of memory while loading and the like: RQ tries the job again
@@ -282,15 +287,16 @@ class BatchRun:
 
     def _refill(self) -> None:
         free = self.decoder.max_batch - len(self.running) if self.decoder else 0
-        if free <= 0 or self.worker._stop_requested:
+        if free <= 0 or self.worker._stop_requested or time.monotonic() < self.refill_after:
             return
         try:
             jobs = take_jobs(self.queue, self.ctx.engine, self.ctx.database_id, self.pairing, free)
         except redis.RedisError as error:
             self._redis_failed(error)
             return
-        except DatabaseFailure as error:  # the batch in flight goes on; the next refill tries again
+        except DatabaseFailure as error:  # the batch in flight goes on
             log.debug("no refill: %s", error)
+            self._refill_later()
             return
         for index, job in enumerate(jobs):
             try:
@@ -302,7 +308,15 @@ class BatchRun:
                 log.warning("the database failed as item %d joined the batch (%s): it goes back to the queue, "
                             "and the batch in flight goes on", job.args[1], error)
                 self._put_back(jobs[index + 1:])
+                self._refill_later()
                 return
+
+    def _refill_later(self) -> None:
+        """Refills wait after the database failed one, longer each time, until a result is
+        stored: under SQLite's lock a claim waits out the whole busy timeout first, and the
+        batch with it (the reads that choose the jobs pass, as readers do)."""
+        self.refill_pause = min(max(2 * self.refill_pause, FIRST_PAUSE_S), REFILL_WAIT_MAX_S)
+        self.refill_after = time.monotonic() + self.refill_pause
 
     def _put_back(self, jobs: list[Job]) -> None:
         """Jobs taken off the queue but not started go back to its head, in their order."""
@@ -364,21 +378,27 @@ class BatchRun:
             return
         if event.metrics.finish_reason == "cancelled":
             self.ctx.current_items.discard(event.key)
-            fail_item(self.ctx.engine, event.key, self.ctx.me, "cancelled while running", final=True,
-                      status=Status.CANCELLED)
+            when_the_database_answers(lambda: fail_item(self.ctx.engine, event.key, self.ctx.me, "cancelled while running",
+                                                        final=True, status=Status.CANCELLED),
+                                      f"the cancel of item {event.key}")
             self._succeed(running.job, running.execution, {"item": event.key, "cancelled": True})
             return
         generation = running.transcript.result(self.target, event.metrics)
         energy = EnergyReading(unavailable_reason=self._energy_reason(event.metrics.batch_size))
         result = result_row(self.target, self.draft, generation, energy, self.decoder.probe if self.draft else None,
                             running.timings | {"generation_s": time.perf_counter() - running.joined}, self.window_id)
+        clock = time.monotonic()
         try:
             # The batch waits while the database fails: every row's result would wait alike.
             stored = store_result(self.ctx, event.key, result)
         except Exception:  # noqa: BLE001 - refused: the item fails with the reason after RQ's retries
             self._fail(running.job, running.execution, sys.exc_info())
             return
+        finally:
+            for other in self.running.values():  # their RQ timeouts bound decoding, not the batch's pause
+                other.deadline += time.monotonic() - clock
         self.ctx.current_items.discard(event.key)  # renewed while its result waited
+        self.refill_pause = self.refill_after = 0.0  # the database takes writes: refill at once
         self._succeed(running.job, running.execution,
                       {"item": event.key, "stored": stored, "tokens": result.generated_tokens})
 
@@ -399,8 +419,9 @@ class BatchRun:
         self.ctx.current_items.discard(item_id)
         if record:
             error = exc_info[1]
-            fail_item(self.ctx.engine, item_id, self.ctx.me, f"{type(error).__name__}: {error}",
-                      final=not job.retries_left)
+            reason = f"{type(error).__name__}: {error}"
+            when_the_database_answers(lambda: fail_item(self.ctx.engine, item_id, self.ctx.me, reason,
+                                                        final=not job.retries_left), f"the failure of item {item_id}")
         self._end(job, lambda: self.worker._finalize_failure(job, self.queue, execution, exc_info))
 
     def _end(self, job: Job, finalize: Callable[[], None]) -> None:

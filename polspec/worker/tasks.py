@@ -19,10 +19,12 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import logging
+import signal
+import threading
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 
 import mlx.core as mx
 import redis
@@ -45,6 +47,7 @@ from polspec.worker import FIRST_PAUSE_S, WAIT_MAX_S, context
 from polspec.worker.energy import EnergyReading, measure_energy
 
 PROGRESS_INTERVAL_S = 1.0
+T = TypeVar("T")
 log = logging.getLogger("polspec.worker")
 
 
@@ -92,26 +95,34 @@ def run_item(database_id: str, item_id: int) -> dict[str, Any]:
 
 def store_result(ctx: context.WorkerContext, item_id: int, result: Result) -> bool:
     """Store a finished item's result (:func:`~polspec.store.items.finish_item`), waiting for
-    a database that fails meanwhile (a restart, SQLite locked past its busy timeout by a long
-    writer) with a growing pause, for as long as it takes: the result is kept, not decoded
-    again. Only a forced stop (a second Ctrl+C) gives it up, and the item is then decoded
-    again by the next worker. Returns whether it was stored (False: not this worker's any
-    more, e.g. taken over while the database was away)."""
+    the database as long as it takes (:func:`when_the_database_answers`): the result is kept,
+    not decoded again. Returns whether the item has it (False: another worker claimed the item
+    while the database was away)."""
+    return when_the_database_answers(lambda: finish_item(ctx.engine, item_id, ctx.me, result),
+                                     f"the result of item {item_id}")
+
+
+def when_the_database_answers(write: Callable[[], T], what: str) -> T:
+    """``write()``, tried again with a growing pause while the database fails (a restart, SQLite
+    locked past its busy timeout by a long writer) for as long as it takes; ``what`` names what
+    it records, for the log. Only a forced stop (a second Ctrl+C) gives it up. RQ's job timeout
+    bounds the decoding, not this wait, and is switched off first: it would end the wait and
+    lose what was decoded."""
     pause = FIRST_PAUSE_S
     while True:
         try:
-            stored = finish_item(ctx.engine, item_id, ctx.me, result)
+            answer = write()
         except DatabaseFailure as error:
             if pause == FIRST_PAUSE_S:
-                log.warning("the database failed (%s): the result of item %d waits in this worker until it answers",
-                            error, item_id)
+                if threading.current_thread() is threading.main_thread():
+                    signal.alarm(0)  # RQ's UnixSignalDeathPenalty: its alarm, where a job runs alone
+                log.warning("the database failed (%s): %s waits in this worker until it answers", error, what)
             time.sleep(pause)
             pause = min(pause * 2, WAIT_MAX_S)
             continue
         if pause != FIRST_PAUSE_S:
-            log.warning("the database answers again: the result of item %d is %s", item_id,
-                        "stored" if stored else "not stored (another worker took the item over meanwhile)")
-        return stored
+            log.warning("the database answers again: %s is recorded", what)
+        return answer
 
 
 def known_cancelled(ctx: context.WorkerContext, item_ids: list[int]) -> set[int]:

@@ -11,13 +11,15 @@ Why a subclass (facts in ``design/QUEUE.md``):
 - Redis may restart while an item runs. The result is already in the database by then, so
   the worker waits for Redis to come back instead of quitting. A database that fails (a
   restart, SQLite locked past its busy timeout) as a result is stored keeps the result waiting
-  in the worker (:func:`~polspec.worker.tasks.store_result`); one that fails as a job starts
-  ends the job, which goes back to RQ for a retry, and the worker waits for the database: RQ's
-  loop would quit on the error, with status 0, and leave the items running until a worker
-  starts again; or, where RQ took the error itself (a job run alone), take job after job, each
-  failing at once until its retries ran out, and leave their items queued with no job. Once
-  either is back the worker runs :func:`~polspec.jobs.control.recover`, which gives a job to
-  every item the outage left without one;
+  in the worker (:func:`~polspec.worker.tasks.store_result`); one that fails as an item
+  joins a batch in flight sends its job back to the queue, and the batch goes on; one that
+  fails as a job starts (a lone job, a batch's first) ends the job, which goes back to RQ for
+  a retry, and the worker waits for the database: RQ's loop would quit on the error, with
+  status 0, and leave the items running until a worker starts again; or, where RQ took the
+  error itself (a job run alone), take job after job, each failing at once until its retries
+  ran out, and leave their items queued with no job. Once either is back the worker runs
+  :func:`~polspec.jobs.control.recover`, which gives a job to every item the outage left
+  without one;
 - the same recover runs at RQ's maintenance (every 10-15 minutes) when the worker's queues are
   empty: items whose jobs Redis lost while the worker waited for work (a restart without
   persistence, a flush) run without anyone typing ``polspec recover``. The pause before a
