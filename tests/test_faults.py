@@ -338,13 +338,36 @@ def test_a_batch_whose_round_fails_gives_its_items_their_tries_back_and_halves_t
     monkeypatch.setattr(BatchDecoder, "step", short_of_memory)
     output = worker_in_process(env, "--burst", "--batch", "4")
     assert ("a batch of 4 failed (MemoryError: a test's memory for two sequences): its items go back to the queue, "
-            "and from now on this worker decodes them at most 2 at a time") in output
+            "and for 60 minutes this worker decodes them at most 2 at a time") in output
     items = assert_each_item_done_once(env, 6)
     assert sorted(item.attempts for item in items) == [1, 1, 2, 2, 2, 2] and widths[0] == 4 and max(widths[1:]) == 2
     connection = redis.Redis.from_url(env["POLSPEC_REDIS_URL"])
     finished = Queue(queue_name(TARGET), connection=connection, serializer=JSONSerializer).finished_job_registry
     jobs = [Job.fetch(job, connection=connection, serializer=JSONSerializer) for job in finished.get_job_ids()]
     assert len(jobs) == 6 and {job.retries_left for job in jobs} == {RETRIES}  # none spent on the failed batch
+
+
+def test_a_batch_cap_after_a_failure_that_passed_runs_out_and_the_batch_widens_again(env, monkeypatch):
+    """Memory another program held for a while made one batch of four fail: the worker decoded
+    that pairing two at a time for the rest of its life (a night's sweep at half its batch).
+    The cap now runs out (after CAP_HOLD_S, half a second here), and the batch in flight takes
+    four again."""
+    enqueue(env, limit=12, max_tokens=12)
+    step, widths = BatchDecoder.step, []
+
+    def short_of_memory_once(self):
+        width = len(self.rows) + len(self.waiting)
+        widths.append(width)
+        if width > 2 and len(widths) == 1:
+            raise MemoryError("a test's memory, short once")
+        return step(self)
+
+    monkeypatch.setattr(BatchDecoder, "step", short_of_memory_once)
+    monkeypatch.setattr(batching, "CAP_HOLD_S", 0.5)
+    worker_in_process(env, "--burst", "--batch", "4")
+    assert_each_item_done_once(env, 12)
+    capped = widths.index(4, 1) if 4 in widths[1:] else len(widths)
+    assert widths[0] == 4 and max(widths[1:capped]) == 2 and capped < len(widths), widths
 
 
 def test_an_item_past_its_job_timeout_in_a_batch_fails_like_a_timed_out_job_and_is_retried(env):

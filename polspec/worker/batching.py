@@ -19,8 +19,10 @@ A round that fails (out of memory, most likely, or something in one item) takes 
 batch down, and a batch cannot tell which: where the worker chose the batch size (not a sweep
 cell, whose size is what it measures), its items go back to the queue with their tries intact
 and the worker decodes that pairing at most half as many at a time (of those in flight, rounded
-up) from then on, down to one at a time, where an item's own error counts against it alone.
-Elsewhere every item in flight fails and is retried, as a job that raised.
+up), down to one at a time, where an item's own error counts against it alone. The cap holds for
+:data:`CAP_HOLD_S`, twice as long after each further failure: memory another program held
+for a while does not halve a night's batches for good, and a real limit costs a failed batch
+ever more rarely. Elsewhere every item in flight fails and is retried, as a job that raised.
 
 Redis is only the delivery channel: if it fails mid-batch, decoding goes on, every result is
 still written to the database, and the jobs' RQ bookkeeping is left to ``recover``. The
@@ -68,9 +70,8 @@ from polspec.models.loader import LoadedModel
 from polspec.store.energy_windows import close_energy_window, open_energy_window
 from polspec.store.items import Pairing, claim_item, fail_item, item_pairings
 from polspec.store.schema import Status
-from polspec.worker import context
+from polspec.worker import FIRST_PAUSE_S, context
 from polspec.worker.energy import EnergyReading, Measurement
-from polspec.worker import FIRST_PAUSE_S
 from polspec.worker.tasks import (PROGRESS_INTERVAL_S, item_probe, known_cancelled, load_models, prompt_of,
                                   result_row, store_result, when_the_database_answers)
 
@@ -82,6 +83,7 @@ log = logging.getLogger("polspec.worker")
 SCAN_DEPTH = 256  # queued jobs read per refill when looking for items that fit the batch
 PROMPT_ALLOWANCE = 512  # prompt tokens allowed for per sequence when sizing a batch by memory
 REFILL_WAIT_MAX_S = 300.0  # the longest a batch goes without refills after the database failed one
+CAP_HOLD_S = 3600.0  # how long a batch cap first holds after a failed batch (see the module docstring)
 
 ExcInfo = tuple[type[BaseException], BaseException, TracebackType]
 
@@ -113,6 +115,22 @@ def take_jobs(queue: Queue, engine: Engine, database_id: str, pairing: Pairing, 
     return taken
 
 
+@dataclass(frozen=True)
+class BatchCap:
+    """After a batch of a pairing failed: at most ``size`` of its items decoded together until
+    ``until`` (``time.monotonic()``); ``hold_s`` is how long it holds, doubled by the next failure."""
+
+    size: int
+    until: float
+    hold_s: float
+
+
+def batch_cap(caps: dict[Pairing, BatchCap], pairing: Pairing) -> int | None:
+    """The most items of ``pairing`` a worker decodes together now; None where no cap holds."""
+    cap = caps.get(pairing)
+    return cap.size if cap is not None and time.monotonic() < cap.until else None
+
+
 @dataclass
 class _Running:
     """An item decoding in the batch, and its RQ job."""
@@ -139,6 +157,7 @@ class BatchRun:
         self.decoder: BatchDecoder | None = None
         self.target: LoadedModel | None = None
         self.draft: LoadedModel | None = None
+        self.full_size = 0  # the batch's size where no cap holds, set with the decoder
         self.next_check = 0.0
         self.refill_pause, self.refill_after = 0.0, 0.0  # refills wait this long after the database failed one
         self.redis_failed = False
@@ -249,7 +268,8 @@ class BatchRun:
             self.decoder.add(item_id, prompt_of(claim), params, spec.chat)
         except PolspecError as error:  # this item cannot run (a prompt too long, a model that fails to load)
             self.ctx.current_items.discard(item_id)
-            when_the_database_answers(lambda: fail_item(self.ctx.engine, item_id, self.ctx.me, str(error), final=True),
+            reason = str(error)
+            when_the_database_answers(lambda: fail_item(self.ctx.engine, item_id, self.ctx.me, reason, final=True),
                                       f"the failure of item {item_id}")
             self._succeed(job, execution, {"item": item_id, "failed": str(error)})
             return
@@ -278,14 +298,20 @@ class BatchRun:
         probe_s = time.perf_counter() - clock
         longest = params.max_tokens + PROMPT_ALLOWANCE
         if self.decoder is None:
-            size = self.wanted or best_batch_size(self.target, self.draft, held, longest)
-            size = min(size, self.worker.batch_caps.get(self.pairing, size))
-            self.decoder = BatchDecoder(self.target, self.draft, size, held, longest)
-            log.info("decoding %s%s in batches of up to %d", spec.target, f" + {spec.draft}" if spec.draft else "", size)
+            self.full_size = self.wanted or best_batch_size(self.target, self.draft, held, longest)
+            self.decoder = BatchDecoder(self.target, self.draft, self._allowed(), held, longest)
+            log.info("decoding %s%s in batches of up to %d", spec.target, f" + {spec.draft}" if spec.draft else "",
+                     self.decoder.max_batch)
         self.decoder.probe = held
         return {"model_load_s": load_s, "probe_s": probe_s}
 
+    def _allowed(self) -> int:
+        """The batch's size now: its full size, or less while a cap holds."""
+        return min(self.full_size, batch_cap(self.worker.batch_caps, self.pairing) or self.full_size)
+
     def _refill(self) -> None:
+        if self.decoder:
+            self.decoder.max_batch = self._allowed()  # a cap that ran out widens the batch
         free = self.decoder.max_batch - len(self.running) if self.decoder else 0
         if free <= 0 or self.worker._stop_requested or time.monotonic() < self.refill_after:
             return
@@ -355,9 +381,12 @@ class BatchRun:
         chose the batch size, with its tries given back, and the pairing's batches halved."""
         count = len(self.running)
         if count > 1 and self.pairing.batch is None:
-            cap = self.worker.batch_caps[self.pairing] = (count + 1) // 2
-            log.warning("a batch of %d failed (%s: %s): its items go back to the queue, and from now on this "
-                        "worker decodes them at most %d at a time", count, exc_info[0].__name__, exc_info[1], cap)
+            before = self.worker.batch_caps.get(self.pairing)
+            hold = 2 * before.hold_s if before is not None else CAP_HOLD_S
+            cap = self.worker.batch_caps[self.pairing] = BatchCap((count + 1) // 2, time.monotonic() + hold, hold)
+            log.warning("a batch of %d failed (%s: %s): its items go back to the queue, and for %d minutes this "
+                        "worker decodes them at most %d at a time", count, exc_info[0].__name__, exc_info[1],
+                        round(hold / 60), cap.size)
             for running in self.running.values():
                 running.job.retries_left = (running.job.retries_left or 0) + 1  # RQ's retry takes it back
         for running in list(self.running.values()):
@@ -378,8 +407,8 @@ class BatchRun:
             return
         if event.metrics.finish_reason == "cancelled":
             self.ctx.current_items.discard(event.key)
-            when_the_database_answers(lambda: fail_item(self.ctx.engine, event.key, self.ctx.me, "cancelled while running",
-                                                        final=True, status=Status.CANCELLED),
+            when_the_database_answers(lambda: fail_item(self.ctx.engine, event.key, self.ctx.me, "cancelled while "
+                                                        "running", final=True, status=Status.CANCELLED),
                                       f"the cancel of item {event.key}")
             self._succeed(running.job, running.execution, {"item": event.key, "cancelled": True})
             return

@@ -57,7 +57,7 @@ from polspec.processes import this_host
 from polspec.store.engine import session_scope
 from polspec.store.items import Pairing, item_pairings, renew_leases
 from polspec.worker import FIRST_PAUSE_S, HEARTBEAT_GRACE_S, HEARTBEAT_INTERVAL_S, WAIT_MAX_S, context
-from polspec.worker.batching import BatchRun, job_item
+from polspec.worker.batching import BatchCap, BatchRun, batch_cap, job_item
 
 log = logging.getLogger("polspec.worker")
 
@@ -88,8 +88,8 @@ class PolspecWorker(SimpleWorker):
                          job_monitoring_interval=heartbeat_interval, **options)
         self.heartbeat_grace = heartbeat_grace
         self.batch = batch
-        # The most items of a pairing decoded together since a batch of them failed (see batching).
-        self.batch_caps: dict[Pairing, int] = {}
+        # The most items of a pairing decoded together for a while after a batch of them failed (see batching).
+        self.batch_caps: dict[Pairing, BatchCap] = {}
         self.active: dict[str, tuple[Job, object]] = {}  # job id -> (job, execution): what the heartbeat renews
         self.on_job_end: Callable[[], None] | None = None  # e.g. to redraw a progress bar
         self.database_failure: DatabaseFailure | None = None  # why a job RQ ran failed, if the database did
@@ -210,7 +210,7 @@ class PolspecWorker(SimpleWorker):
             return None, 1
         if pairing.batch is not None:
             return pairing, pairing.batch
-        return pairing, 1 if self.batch_caps.get(pairing) == 1 else self.batch
+        return pairing, 1 if batch_cap(self.batch_caps, pairing) == 1 else self.batch
 
     def _beat(self, stop: threading.Event) -> None:
         ctx = context.current()
