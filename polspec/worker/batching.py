@@ -267,11 +267,11 @@ class BatchRun:
             timings = self._prepare(spec, params)
             self.decoder.add(item_id, prompt_of(claim), params, spec.chat)
         except PolspecError as error:  # this item cannot run (a prompt too long, a model that fails to load)
-            self.ctx.current_items.discard(item_id)
             reason = str(error)
             when_the_database_answers(lambda: fail_item(self.ctx.engine, item_id, self.ctx.me, reason, final=True),
                                       f"the failure of item {item_id}")
-            self._succeed(job, execution, {"item": item_id, "failed": str(error)})
+            self.ctx.current_items.discard(item_id)  # its lease renewed while the failure waited
+            self._succeed(job, execution, {"item": item_id, "failed": reason})
             return
         except Exception:  # noqa: BLE001 - out of memory while loading and the like: RQ tries the job again
             self._fail(job, execution, sys.exc_info())
@@ -406,10 +406,10 @@ class BatchRun:
             self._fail(running.job, running.execution, _timeout(running.job))
             return
         if event.metrics.finish_reason == "cancelled":
-            self.ctx.current_items.discard(event.key)
             when_the_database_answers(lambda: fail_item(self.ctx.engine, event.key, self.ctx.me, "cancelled while "
                                                         "running", final=True, status=Status.CANCELLED),
                                       f"the cancel of item {event.key}")
+            self.ctx.current_items.discard(event.key)
             self._succeed(running.job, running.execution, {"item": event.key, "cancelled": True})
             return
         generation = running.transcript.result(self.target, event.metrics)
@@ -445,12 +445,12 @@ class BatchRun:
     def _fail(self, job: Job, execution: Execution, exc_info: ExcInfo, record: bool = True) -> None:
         """Fail the item as a job that raised: final on the last RQ attempt, else retried."""
         item_id = job.args[1]
-        self.ctx.current_items.discard(item_id)
         if record:
             error = exc_info[1]
             reason = f"{type(error).__name__}: {error}"
             when_the_database_answers(lambda: fail_item(self.ctx.engine, item_id, self.ctx.me, reason,
                                                         final=not job.retries_left), f"the failure of item {item_id}")
+        self.ctx.current_items.discard(item_id)  # its lease renewed while the failure waited
         self._end(job, lambda: self.worker._finalize_failure(job, self.queue, execution, exc_info))
 
     def _end(self, job: Job, finalize: Callable[[], None]) -> None:
