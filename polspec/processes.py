@@ -3,8 +3,10 @@ cache tell each other's apart: which of them may be gone, and which cannot be ju
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
+import subprocess
 
 # The Linux kernel's fixed inode for the machine's own pid namespace (PROC_PID_INIT_INO).
 MACHINE_PID_NAMESPACE = "pid:[4026531836]"
@@ -21,6 +23,34 @@ def this_host() -> str:
     except OSError:  # no /proc (macOS)
         return name
     return name if namespace == MACHINE_PID_NAMESPACE else f"{name} {namespace}"
+
+
+def this_host_and_boot() -> str:
+    """:func:`this_host` and the machine's current boot, as a worker names itself in the
+    database and in RQ's record of it: two machines may share a host name (laptops keep their
+    default names, cloned VMs their image's), and without the boot a worker on one would look
+    up the other's pid in its own table, find it dead and take over an item still decoding
+    there. A boot stands for the machine where a pid means something; after a reboot the
+    earlier boot's items are another machine's, left to their lease."""
+    boot = boot_id()
+    return f"{this_host()} boot {boot}" if boot else this_host()
+
+
+@functools.cache
+def boot_id() -> str | None:
+    """A short id of this machine's current boot, which containers share with their host:
+    the kernel's on Linux, macOS's boot session's; None where neither can be read."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as source:
+            return source.read().strip().replace("-", "")[:12] or None
+    except OSError:
+        pass
+    try:
+        session = subprocess.run(["sysctl", "-n", "kern.bootsessionuuid"], capture_output=True, text=True,
+                                 timeout=5, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return session.strip().replace("-", "").lower()[:12] or None
 
 
 def pid_alive(pid: int) -> bool:

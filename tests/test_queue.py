@@ -30,7 +30,7 @@ from polspec.jobs.control import _requeue_abandoned, recover
 from polspec.jobs.queue import JOB_FUNCTION, job_id, queue_name
 from polspec.report.summary import Window, joules_per_token
 from polspec.store.engine import make_engine, session_scope
-from polspec.processes import this_host
+from polspec.processes import this_host_and_boot
 from polspec.store.items import Worker, claim_item, database_id, fail_item
 from polspec.store.migrate import upgrade
 from polspec.store.schema import EnergyWindow, Item, Result
@@ -296,7 +296,7 @@ def test_an_item_whose_worker_stopped_on_every_try_fails_instead_of_running_agai
     connection = redis.Redis.from_url(env["POLSPEC_REDIS_URL"])
     gone = subprocess.Popen(["true"])
     gone.wait()
-    killed_worker, me = Worker(this_host(), gone.pid), Worker.this_process()  # a pid no process has
+    killed_worker, me = Worker(this_host_and_boot(), gone.pid), Worker.this_process()  # a pid no process has
     retried, killing = sorted(item.id for item, _ in results_by_key(env).values())
     for _ in range(2):
         claim_item(engine, killing, killed_worker)
@@ -332,7 +332,7 @@ def test_recover_marks_cancelled_a_running_item_of_a_cancelled_batch_whose_worke
     gone = subprocess.Popen(["true"])
     gone.wait()
     running, _ = sorted(item.id for item, _ in results_by_key(env).values())
-    claim_item(engine, running, Worker(this_host(), gone.pid))
+    claim_item(engine, running, Worker(this_host_and_boot(), gone.pid))
     with session_scope(engine) as session:
         batch_id = session.get(Item, running).batch_id
     assert cli(env, "cancel", str(batch_id)) == (0, f"batch {batch_id} cancelled (1 queued item dropped)\n")

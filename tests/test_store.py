@@ -824,7 +824,7 @@ def test_a_worker_in_another_pid_namespace_keeps_its_item_while_its_lease_runs(e
     if shutil.which("unshare") is None:
         pytest.skip("needs unshare (util-linux) to run a process in a pid namespace of its own")
     seen = subprocess.run(["unshare", "--pid", "--fork", sys.executable, "-c",
-                           "from polspec.processes import this_host; print(this_host())"],
+                           "from polspec.processes import this_host_and_boot; print(this_host_and_boot())"],
                           capture_output=True, text=True)
     if seen.returncode != 0:
         pytest.skip(f"cannot make a pid namespace here: {seen.stderr.strip()}")
@@ -836,6 +836,27 @@ def test_a_worker_in_another_pid_namespace_keeps_its_item_while_its_lease_runs(e
     claim_item(engine, item_id, container)
     assert claim_item(engine, item_id, Worker.this_process()) == \
         f"item {item_id} is running on {container.host} (pid {gone.pid})"
+
+
+def test_a_worker_on_another_machine_of_the_same_host_name_keeps_its_item_while_its_lease_runs(
+        engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two machines may share a host name (laptops keep their default names): a worker on one
+    looked up the other's worker pid in its own table, found no such process and took over the
+    item it was decoding. The machines tell each other apart by their boots."""
+    from polspec import processes
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid no process has here, as another machine's worker pid would be
+    with monkeypatch.context() as elsewhere:
+        elsewhere.setattr(processes, "boot_id", lambda: "0123456789ab")
+        other_machine = Worker(Worker.this_process().host, gone.pid)
+    assert other_machine.host.partition(" boot ")[0] == Worker.this_process().host.partition(" boot ")[0]
+    with session_scope(engine) as session:
+        item_id = new_item(session, new_batch(session), "a").id
+    claim_item(engine, item_id, other_machine)
+    assert claim_item(engine, item_id, Worker.this_process()) == \
+        f"item {item_id} is running on {other_machine.host} (pid {gone.pid})"
+    assert not isinstance(claim_item(engine, item_id, Worker.this_process(), lease_s=0), str)  # its lease ran out
 
 
 def test_readonly_engine_refuses_writes(engine: Engine) -> None:

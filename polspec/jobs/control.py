@@ -165,7 +165,7 @@ def _starter_gone(connection: redis.Redis, worker_name: str | None, me: Worker) 
     by, so a burst run ended without the item. Stopped: RQ's record of the worker is gone (it
     expires minutes after the worker's last heartbeat) or records its death, or it names this
     host and a dead pid (a polspec worker records the host as
-    :func:`~polspec.processes.this_host` names it). A record without host or pid (RQ rebuilds
+    :func:`~polspec.processes.this_host_and_boot` names it). A record without host or pid (RQ rebuilds
     one from a heartbeat alone after it expired, e.g. while Redis was away) says nothing: left
     to RQ, as a job of a live worker must be."""
     if not worker_name:

@@ -19,7 +19,7 @@ from typing import Any
 from sqlalchemy import ColumnElement, Engine, func, select, update
 from sqlalchemy.orm import Session
 
-from polspec.processes import pid_alive, this_host
+from polspec.processes import pid_alive, this_host_and_boot
 from polspec.store.engine import session_scope
 from polspec.store.schema import Batch, Item, Meta, Result, Status, utcnow
 
@@ -30,14 +30,15 @@ NUL_STAND_IN = "\ufffd"  # what a stored result has for U+0000 (see without_nul)
 
 @dataclass(frozen=True)
 class Worker:
-    """The process that claims items: where its pid means something, and the pid."""
+    """The process that claims items: where its pid means something (host, pid namespace and
+    boot, :func:`~polspec.processes.this_host_and_boot`), and the pid."""
 
     host: str
     pid: int
 
     @classmethod
     def this_process(cls) -> Worker:
-        return cls(this_host(), os.getpid())
+        return cls(this_host_and_boot(), os.getpid())
 
     def sees_stopped(self, host: str | None, pid: int | None) -> bool:
         """Whether process ``pid`` of ``host`` is another on this host, where its pid means

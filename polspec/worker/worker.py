@@ -53,7 +53,7 @@ from sqlalchemy import text
 from polspec.errors import DatabaseFailure, PolspecError
 from polspec.jobs.control import recover
 from polspec.jobs.queue import JOB_FUNCTION
-from polspec.processes import this_host
+from polspec.processes import this_host_and_boot
 from polspec.store.engine import session_scope
 from polspec.store.items import Pairing, item_pairings, renew_leases
 from polspec.worker import FIRST_PAUSE_S, HEARTBEAT_GRACE_S, HEARTBEAT_INTERVAL_S, WAIT_MAX_S, context
@@ -95,8 +95,8 @@ class PolspecWorker(SimpleWorker):
         self.database_failure: DatabaseFailure | None = None  # why a job RQ ran failed, if the database did
         self.pause = FIRST_PAUSE_S  # before the next try of Redis or the database (see _wait_until)
         # RQ records the bare host name; recover compares it with an item's host, which names the
-        # pid namespace too, to tell a job whose worker was killed before its claim.
-        self.hostname = this_host()
+        # pid namespace and the boot too, to tell a job whose worker was killed before its claim.
+        self.hostname = this_host_and_boot()
 
     @property
     def asked_to_stop(self) -> bool:
