@@ -35,7 +35,7 @@ import mlx.core as mx
 
 from polspec.decoding import DecodingParams, generate
 from polspec.decoding.acceptance import PLAIN_HALF_LIFE, AcceptanceEstimate
-from polspec.decoding.costmodel import BatchCost, Probe
+from polspec.decoding.costmodel import Probe
 from polspec.decoding.draft_vocab import draft_head
 from polspec.decoding.metrics import DecodeMetrics
 from polspec.decoding.policy import DraftLength
@@ -185,12 +185,10 @@ def session_probe(c: float, target_step_s: float, feed_per_token: float) -> Prob
     """A probe from earlier figures, for a machine that has not measured the pair: rho(2..5)
     from the 1.5B pair's probe of session 32 (AMD EPYC VM), extended by 0.05 a position to
     rho(9), translation and per-round overhead at 0.005 and 0.01 target steps (assumed), and
-    the draft's catch-up at ``feed_per_token`` target steps a token (a batch table whose
-    widest row is that cheap per sequence)."""
+    the draft's catch-up at ``feed_per_token`` target steps a token."""
     rho = (1.0, 1.18, 1.19, 1.14, 1.33, 1.38, 1.43, 1.48, 1.53)
-    widest = BatchCost(16, (target_step_s,) * 5, 16 * feed_per_token * target_step_s)
     return Probe("target", "draft", c=c, rho=rho, tau=0.005, draft_overhead=0.01, target_step_s=target_step_s,
-                 batch=(BatchCost(1, (target_step_s,) * 5, c * target_step_s), widest))
+                 draft_feed_s=feed_per_token * target_step_s)
 
 
 def load_or_record(path: Path | None, args: argparse.Namespace) -> list[Recorded]:

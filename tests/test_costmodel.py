@@ -137,17 +137,18 @@ def test_auto_drafts_only_where_the_round_could_pay_back_the_draft_catch_up():
     """The catch-up is weighed against the speedup the sequence's text could plausibly give
     (its estimate's upper bound), not the pool's mean: a sequence the pool says barely pays
     still pays the catch-up to find out, where a plain round would teach it nothing."""
-    cheap = flat(0.1, rho=(1.0, 1.1) + (1.2,) * 7)  # no batch table: a token fed costs a draft step
+    feed = 0.1  # target steps a token of text fed to the draft
+    cheap = Probe("t", "d", c=0.1, rho=(1.0, 1.1) + (1.2,) * 7, tau=0.0, target_step_s=1.0, draft_feed_s=feed)
     policy = DraftLength(DecodingParams(k="auto"), cheap, AcceptanceEstimate(30, 70))  # a = 0.3: k = 1 barely pays
     k = policy.k
     plausible = policy.estimate.upper_bound()
     saved = 32 * (1 - 1 / predicted_speedup(cheap, plausible, k, policy.ratio))  # plain steps over 32 tokens
     saved_on_average = 32 * (1 - 1 / predicted_speedup(cheap, policy.estimate.a, k, policy.ratio))
-    assert k > 0 and saved_on_average / cheap.c < 40 < saved / cheap.c
+    assert k > 0 and saved_on_average / feed < 40 < saved / feed
     assert policy.k_within(32, 40) == k  # a 40-token prompt, which the mean's speedup would not pay back
     assert policy.k_within(32, 0) == k
-    assert policy.k_within(32, math.floor(saved / cheap.c) - 1) == k
-    assert policy.k_within(32, math.ceil(saved / cheap.c) + 1) == 0  # the catch-up costs more than k saves
+    assert policy.k_within(32, math.floor(saved / feed) - 1) == k
+    assert policy.k_within(32, math.ceil(saved / feed) + 1) == 0  # the catch-up costs more than k saves
     assert policy.k_within(1, 0) == 1  # never past the tokens left
     assert DraftLength(DecodingParams(k=3)).k_within(2, 10_000) == 2  # a fixed k drafts whatever it costs
 
@@ -197,12 +198,14 @@ def test_a_batch_of_new_rows_drafts_on_the_prior_only_where_it_pays_back_the_dra
     assert shared_auto_k(rows[:1], batched, 40) == 0  # 39 rows beside it that draft nothing
 
 
-def test_the_draft_warm_up_is_costed_from_the_widest_batched_draft_step():
+def test_the_draft_warm_up_is_costed_from_the_measured_feed_in_steps_of_the_batch():
     table = (BatchCost(1, (0.10,) * 5, 0.02), BatchCost(2, (0.12,) * 5, 0.024), BatchCost(4, (0.20,) * 5, 0.04))
-    probe = Probe("t", "d", c=0.2, rho=(1.0,) * 9, tau=0.0, target_step_s=0.10, draft_step_s=0.02, batch=table)
-    assert probe.draft_feed_steps(50, 2) == pytest.approx(50 * 0.01 / 0.12)  # 10 ms a token, in steps of 0.12 s
-    assert probe.draft_feed_steps(50, 4) == pytest.approx(50 * 0.01 / 0.20)
-    assert flat(0.2).draft_feed_steps(50, 4) == pytest.approx(10.0)  # no batch table: a draft step per token
+    probe = Probe("t", "d", c=0.2, rho=(1.0,) * 9, tau=0.0, target_step_s=0.10, draft_step_s=0.02, batch=table,
+                  draft_feed_s=0.002)
+    assert probe.draft_feed_steps(50, 1) == pytest.approx(50 * 0.002 / 0.10)  # 2 ms a token, in steps of 0.1 s
+    assert probe.draft_feed_steps(50, 2) == pytest.approx(50 * 0.002 / 0.12)  # a row's text is fed alone
+    assert probe.draft_feed_steps(50, 4) == pytest.approx(50 * 0.002 / 0.20)
+    assert Probe.from_dict(probe.as_dict()) == probe
 
 
 def test_auto_never_explores_where_no_plausible_acceptance_pays():
@@ -231,6 +234,7 @@ def test_the_probe_states_the_shared_vocabulary_coverage_and_warns_below_four_fi
     f'{{"format": {PROBE_FORMAT}, "target": "t", "draft": "d", "c": "fast", "rho": [1.0, 1, 1, 1, 1, 1, 1, 1, 1], "tau": 0.0}}',
     f'{{"format": {PROBE_FORMAT}, "target": "t", "draft": "d", "c": 0.2, "rho": [], "tau": 0.0}}',
     f'{{"format": {PROBE_FORMAT}, "target": "t", "draft": "d", "c": 0.2, "rho": [1.0, 1.2], "tau": -0.1}}',
+    f'{{"format": {PROBE_FORMAT}, "target": "t", "draft": "d", "c": 0.2, "rho": [1.0, 1.2], "tau": 0.0, "draft_feed_s": -1}}',
     "[1, 2, 3]",
 ])
 def test_an_unreadable_probe_counts_as_never_measured(stored, isolated_home, caplog):
@@ -258,7 +262,7 @@ def test_probe_measures_real_models_and_is_stored(gemma3, smollm2, home_with_mod
     assert all(0 < t < math.inf for cost in measured.batch for t in (*cost.target_s, cost.draft_s))
     assert measured.at_batch(4).target_step_s == four.target_s[0]
     assert 0 < measured.c < math.inf and measured.tau >= 0 and measured.target_step_s > 0
-    assert 0 <= measured.draft_overhead < math.inf
+    assert 0 <= measured.draft_overhead < math.inf and 0 < measured.draft_feed_s < math.inf
     save_probe(measured)
     assert load_probe("gemma3-270m", "smollm2-135m") == measured
 

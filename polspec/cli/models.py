@@ -224,7 +224,7 @@ def probe(target: str, draft: str, repeats: int, as_json: bool) -> None:
         return
     click.echo(f"{target} with draft {draft} on {result.machine['key']}: target step {result.target_step_s * 1e3:.1f} ms, "
                f"draft step {result.draft_step_s * 1e3:.1f} ms, c = {result.c:.3f}, d = {result.draft_overhead:.3f}, "
-               f"tau = {result.tau:.3f}")
+               f"tau = {result.tau:.3f}, draft feed {result.draft_feed_s * 1e3:.2f} ms a token of text")
     click.echo("rho(m), m = 1..9: " + " ".join(f"{value:.2f}" for value in result.rho))
     table = Table(title="predicted speedup over target-only decoding")
     for heading in ("k", "break-even acceptance", "S at a=0.4", "S at a=0.6", "S at a=0.8"):

@@ -31,7 +31,9 @@ from dataclasses import asdict, dataclass, field
 
 RHO_SIZES = 9  # rho(m) is measured for m = 1..9 and extrapolated linearly beyond
 # 2: the draft step measured as it decodes (last-position logits, its default draft vocabulary)
-PROBE_FORMAT = 2
+# 3: the draft's feed of text measured (before: priced at a draft step a token, 16x what a feed
+#    costs on a 2-core CPU, or at the batch table's widest draft step per sequence, 1.7x)
+PROBE_FORMAT = 3
 BATCH_SIZES = (1, 2, 4, 8, 16)  # sequences per forward in the probe's batch table
 BATCH_POSITIONS = (1, 2, 3, 5, 9)  # positions per sequence measured at each batch size
 
@@ -63,6 +65,7 @@ class Probe:
     machine: dict[str, str] = field(default_factory=dict)
     batch: tuple[BatchCost, ...] = ()  # the batch table; empty in probes measured before it existed
     draft_vocab: int | None = None  # the draft's pruned vocabulary when measured; None: its full one
+    draft_feed_s: float = 0.0  # seconds a token of text the draft reads in one forward (its prompt)
 
     def at_batch(self, size: int) -> Probe:
         """The costs of a round over ``size`` sequences, in steps of a plain batched step of that size.
@@ -83,19 +86,16 @@ class Probe:
         seconds = self.target_step_s
         return Probe(self.target, self.draft, c=draft / step, rho=rho, tau=self.tau * seconds * size / step,
                      draft_overhead=self.draft_overhead * seconds / step, target_step_s=step, draft_step_s=draft,
-                     machine=self.machine, draft_vocab=self.draft_vocab)
+                     machine=self.machine, draft_vocab=self.draft_vocab, draft_feed_s=self.draft_feed_s)
 
     def draft_feed_steps(self, tokens: int, size: int) -> float:
         """Estimated cost of the draft taking in ``tokens`` tokens of text, as a row's first
-        proposal feeds it the row's prompt, in plain steps of a batch of ``size``: per token,
-        what one sequence costs in the widest batched draft step of the batch table (a wide
-        forward too, one that also computes its output layer at every position: an
-        overestimate); without a batch table, a draft step per token. For a probe as
-        measured, not one :meth:`at_batch` made."""
-        if not self.batch:
-            return tokens * self.c
-        widest = max(self.batch, key=lambda cost: cost.size)
-        return tokens * widest.draft_s / widest.size / self.at_batch(size).target_step_s
+        proposal feeds it the row's prompt, in plain steps of a batch of ``size``: the feed
+        time per token the probe measured (a row's text is fed alone at every batch size).
+        For a probe as measured, not one :meth:`at_batch` made; 0 for one made without it."""
+        if not self.draft_feed_s:
+            return 0.0
+        return tokens * self.draft_feed_s / self.at_batch(size).target_step_s
 
     def rho_at(self, m: int) -> float:
         """rho(m), extrapolated linearly from the last two measured sizes beyond them."""
@@ -119,9 +119,9 @@ class Probe:
         if any(len(b.target_s) != len(BATCH_POSITIONS) or not isinstance(b.size, int) or b.size < 1
                or not all(_is_cost(value) and value > 0 for value in (*b.target_s, b.draft_s)) for b in batch):
             raise ValueError(f"a probe's batch table needs a size and {len(BATCH_POSITIONS)} target times and a draft time > 0")
-        costs = (probe.c, probe.tau, probe.draft_overhead, *probe.rho)
+        costs = (probe.c, probe.tau, probe.draft_overhead, probe.draft_feed_s, *probe.rho)
         if not probe.rho or not all(_is_cost(value) for value in costs):
-            raise ValueError("a probe needs c, tau, draft_overhead and rho values, all numbers >= 0")
+            raise ValueError("a probe needs c, tau, draft_overhead, draft_feed_s and rho values, all numbers >= 0")
         return probe
 
 

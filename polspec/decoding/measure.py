@@ -32,13 +32,16 @@ _TEXT = ("Kraków jest jednym z najstarszych miast w Polsce. Przez wieki był st
 def measure_probe(target: LoadedModel, draft: LoadedModel, repeats: int = 9, context: int = 64,
                   batch_sizes: tuple[int, ...] = BATCH_SIZES, draft_vocab: int | str = "auto",
                   stage: Callable[[str], None] = lambda _: None) -> Probe:
-    """Measure c, d, rho(1..9), tau and the batch table for two loaded models on this machine.
+    """Measure c, d, rho(1..9), tau, the draft's feed and the batch table for two loaded models
+    on this machine.
 
     The draft runs the way it decodes: logits at the last position only, over the vocabulary
     ``draft_vocab`` gives it (see :mod:`polspec.decoding.draft_vocab`).
 
     Forward times are medians over ``repeats`` with ``context`` tokens already cached, the
-    way decoding runs, every size timed in turn within a repeat; tau is the median time of an
+    way decoding runs, every size timed in turn within a repeat; the draft's feed is the
+    median time of ``context`` tokens of text taken in one forward, as a first proposal
+    takes a prompt, per token; tau is the median time of an
     ``aligned`` translation of a k=4 draft chunk of Polish text, over the target step. The
     batch table times target forwards over B sequences x m positions (m in
     ``BATCH_POSITIONS``) and a draft step over B sequences for every B in ``batch_sizes``
@@ -54,6 +57,9 @@ def measure_probe(target: LoadedModel, draft: LoadedModel, repeats: int = 9, con
     step = target_times[0]
     stage("draft step")
     draft_step = _forward_times(draft, head, [1], repeats, context)[0]
+    feed = new_cache(draft.model, draft.entry.alias)
+    draft_feed = median_times([head], [mx.array([list(range(1, context + 1))])], [feed],
+                              [lambda cache: trim(cache, context)], repeats)[0] / context
 
     target_table, draft_table = token_bytes(target.tokenizer._tokenizer), token_bytes(draft.tokenizer._tokenizer)
     target_ids = target.tokenizer.encode(_TEXT)
@@ -76,7 +82,7 @@ def measure_probe(target: LoadedModel, draft: LoadedModel, repeats: int = 9, con
     return Probe(target.entry.alias, draft.entry.alias, c=draft_step / step, batch=tuple(batch),
                  rho=tuple(t / step for t in target_times), tau=statistics.median(times) / step,
                  draft_overhead=max(0.0, _draft_round_time(draft, head, draft_ids, repeats) - draft_step) / step,
-                 target_step_s=step, draft_step_s=draft_step, draft_vocab=head.size,
+                 target_step_s=step, draft_step_s=draft_step, draft_vocab=head.size, draft_feed_s=draft_feed,
                  machine={"key": machine_key(), "platform": chosen.platform, "device": chosen.device,
                           "dtype": chosen.dtype, "mlx": chosen.mlx_version})
 
