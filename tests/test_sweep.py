@@ -836,20 +836,22 @@ def test_prompt_length_is_checked_once_for_all_drafts(gemma3, tmp_path, monkeypa
 
 
 def test_each_result_is_predicted_with_the_probe_of_the_machine_that_ran_it():
-    """A sweep resumed on two machines: w1 and w2 ran where c = 0.2, w3 where c = 0.5, and w4
-    recorded no probe (the reporting machine's, c = 0.3, stands in). The cell's prediction is
-    each machine's, from the acceptance of its own results, weighted by prompts."""
+    """A sweep resumed on two machines: w1 and w2 ran where c = 0.2, w3 where c = 0.5 (by an
+    earlier polspec, whose probes did not measure the draft's feed), and w4 recorded no probe
+    (the reporting machine's, c = 0.3, stands in). The cell's prediction is each machine's,
+    from the acceptance of its own results, weighted by prompts."""
     def probe(c: float) -> Probe:
         return Probe("qwen2.5-coder-1.5b", "gemma3-270m", c=c, rho=(1.0, 1.2, 1.3), tau=0.01)
 
-    def result(recorded: Probe | None, accepted: int) -> Result:
+    def result(recorded: dict | None, accepted: int) -> Result:
         return Result(metrics={"rounds": 10, "plain_rounds": 0, "draft_tokens": 20, "candidates": 20,
-                               "candidates_accepted": accepted, "rejections": 10 - accepted // 2,
-                               "probe": recorded.as_dict() if recorded else None})
+                               "candidates_accepted": accepted, "rejections": 10 - accepted // 2, "probe": recorded})
 
     fast, slow, here = probe(0.2), probe(0.5), probe(0.3)
-    members = [(Pair("pl-wiki", 0, 1, "w1", 0), result(fast, 8)), (Pair("pl-wiki", 0, 1, "w2", 0), result(fast, 12)),
-               (Pair("pl-wiki", 0, 1, "w3", 0), result(slow, 6)), (Pair("pl-wiki", 0, 1, "w4", 0), result(None, 4))]
+    earlier = {key: value for key, value in slow.as_dict().items() if key != "draft_feed_s"} | {"format": 2}
+    members = [(Pair("pl-wiki", 0, 1, "w1", 0), result(fast.as_dict(), 8)),
+               (Pair("pl-wiki", 0, 1, "w2", 0), result(fast.as_dict(), 12)),
+               (Pair("pl-wiki", 0, 1, "w3", 0), result(earlier, 6)), (Pair("pl-wiki", 0, 1, "w4", 0), result(None, 4))]
     by_machine = [
         (predicted_speedup_of_rounds(fast, 20 / (20 + 6 + 4), 2, 1.0, 20, 0), 2),  # w1 + w2: 20 accepted, 10 rejections
         (predicted_speedup_of_rounds(slow, 6 / (6 + 7), 2, 1.0, 10, 0), 1),

@@ -454,4 +454,5 @@ def predicted_speedup_of_cell(k: str, members: list[tuple[Pair, Measured]], fall
 
 
 def _recorded_probe(data: dict | None) -> Probe | None:
-    return Probe.from_dict(data) if data and data.get("format") == PROBE_FORMAT else None
+    # Format 2 lacks only the draft's feed, which a prediction from recorded rounds leaves out.
+    return Probe.from_dict(data) if data and data.get("format") in (2, PROBE_FORMAT) else None
