@@ -958,7 +958,8 @@ def test_the_report_pairs_each_temperature_with_its_own_baseline_and_shows_tempe
     code, output = cli(env, "report", str(sweep), "--plots", str(tmp_path / "plots"))
     assert (tmp_path / "plots" / "speedup-by-k.png").read_bytes().startswith(b"\x89PNG")
     assert "| draft | strategy | k | T | verify | prompts | accept/cand | accept/draft tok |" in output
-    assert "| smollm2-135m | aligned | 2 | 0.7 | tli | 2 | - | 75% |" in output
+    assert "| smollm2-135m | tli | 2 | 0.7 | tli | 2 | - | 75% |" in output  # no strategy translated its tokens
+    assert "| smollm2-135m | aligned | 2 | 0.7 | exact | 2 | - | 25% |" in output
     assert "Rows at temperature 0.7 sample with the verify of their row" in output
 
 

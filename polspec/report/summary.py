@@ -320,9 +320,8 @@ def sweep_report(engine: Engine, batch_id: int) -> SweepReport:
         run = (row.worker_host, row.worker_pid)
         batch_size, temperature = config["batch"], float(config["temperature"])
         pair = Pair(config["dataset"], config["seed"], batch_size, row.prompt_key, row.repeat, temperature)
-        key = (CellKey(config["dataset"], config["draft"], config["strategy"], str(config["k"]), config["prefix"],
-                       batch_size, temperature, config["verify"] if temperature else "exact")
-               if not cell.baseline else (config["dataset"], None, batch_size, temperature))
+        key = _cell_key(config, batch_size, temperature) if not cell.baseline else \
+            (config["dataset"], None, batch_size, temperature)
         if row.started_at is not None and row.finished_at is not None:
             start = decoding_start(row.started_at, row.finished_at, row.waited_s)
             spans[key].append((start, row.finished_at, row.generated_tokens))
@@ -353,6 +352,16 @@ def _aggregate(spans: list[tuple[Any, Any, int]]) -> float | None:
     """Tokens per second of wall time during which any of these items was decoding."""
     busy = busy_seconds((start, end) for start, end, _ in sorted(spans, key=lambda span: span[0]))
     return sum(tokens for _, _, tokens in spans) / busy if busy > 0 else None
+
+
+def _cell_key(config: dict[str, Any], batch_size: int, temperature: float) -> CellKey:
+    """A speculative cell's row key. Greedy cells verify by exact match whatever their file's
+    verify said; speculative sampling (tli, which auto means) proposes the draft's own tokens
+    through the shared vocabulary, so its cells, which carry the file's first strategy, say tli."""
+    verify = config["verify"] if temperature else "exact"
+    strategy = config["strategy"] if verify == "exact" else "tli"
+    return CellKey(config["dataset"], config["draft"], strategy, str(config["k"]), config["prefix"], batch_size,
+                   temperature, verify)
 
 
 def cell_row(key: CellKey, members: list[tuple[Pair, Measured]], baseline: dict[Pair, float], probe: Probe | None,
