@@ -7,6 +7,7 @@ import functools
 import os
 import socket
 import subprocess
+import sys
 
 # The Linux kernel's fixed inode for the machine's own pid namespace (PROC_PID_INIT_INO).
 MACHINE_PID_NAMESPACE = "pid:[4026531836]"
@@ -39,18 +40,18 @@ def this_host_and_boot() -> str:
 @functools.cache
 def boot_id() -> str | None:
     """A short id of this machine's current boot, which containers share with their host:
-    the kernel's on Linux, macOS's boot session's; None where neither can be read."""
+    macOS's boot session's, the kernel's on Linux; None where it cannot be read (the host name
+    alone then tells machines apart, as before boots were counted)."""
     try:
-        with open("/proc/sys/kernel/random/boot_id") as source:
-            return source.read().strip().replace("-", "")[:12] or None
-    except OSError:
-        pass
-    try:
-        session = subprocess.run(["sysctl", "-n", "kern.bootsessionuuid"], capture_output=True, text=True,
+        if sys.platform == "darwin":
+            raw = subprocess.run(["/usr/sbin/sysctl", "-n", "kern.bootsessionuuid"], capture_output=True, text=True,
                                  timeout=5, check=True).stdout
+        else:
+            with open("/proc/sys/kernel/random/boot_id") as source:
+                raw = source.read()
     except (OSError, subprocess.SubprocessError):
         return None
-    return session.strip().replace("-", "").lower()[:12] or None
+    return raw.strip().replace("-", "").lower()[:12] or None
 
 
 def pid_alive(pid: int) -> bool:

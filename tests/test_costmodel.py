@@ -4,6 +4,7 @@ models, and the auto draft length."""
 from __future__ import annotations
 
 import functools
+import json
 import math
 
 import pytest
@@ -13,7 +14,7 @@ from polspec.cli import main
 from polspec.decoding import DecodingParams, generate, run
 from polspec.decoding.acceptance import PLAIN_HALF_LIFE, PRIOR_WEIGHT, AcceptanceEstimate, acceptance_estimate
 from polspec.decoding.costmodel import (
-    BATCH_POSITIONS, BATCH_SIZES, PROBE_FORMAT, BatchCost, Probe, best_k, best_shared_k, break_even_acceptance, can_pay,
+    BATCH_POSITIONS, BATCH_SIZES, PREDICTION_FORMATS, PROBE_FORMAT, BatchCost, Probe, best_k, best_shared_k, break_even_acceptance, can_pay,
     expected_tokens, predicted_speedup, predicted_speedup_of_rounds, round_cost, shared_speedup, throughput_batch_size,
 )
 from polspec.decoding.draft_vocab import DEFAULT_SIZE
@@ -206,6 +207,7 @@ def test_the_draft_warm_up_is_costed_from_the_measured_feed_in_steps_of_the_batc
     assert probe.draft_feed_steps(50, 2) == pytest.approx(50 * 0.002 / 0.12)  # a row's text is fed alone
     assert probe.draft_feed_steps(50, 4) == pytest.approx(50 * 0.002 / 0.20)
     assert Probe.from_dict(probe.as_dict()) == probe
+    assert flat(0.2).draft_feed_steps(50, 4) == 0.0  # a probe made without it (tests, replays)
 
 
 def test_auto_never_explores_where_no_plausible_acceptance_pays():
@@ -235,6 +237,7 @@ def test_the_probe_states_the_shared_vocabulary_coverage_and_warns_below_four_fi
     f'{{"format": {PROBE_FORMAT}, "target": "t", "draft": "d", "c": 0.2, "rho": [], "tau": 0.0}}',
     f'{{"format": {PROBE_FORMAT}, "target": "t", "draft": "d", "c": 0.2, "rho": [1.0, 1.2], "tau": -0.1}}',
     f'{{"format": {PROBE_FORMAT}, "target": "t", "draft": "d", "c": 0.2, "rho": [1.0, 1.2], "tau": 0.0, "draft_feed_s": -1}}',
+    f'{{"format": {PROBE_FORMAT}, "target": "t", "draft": "d", "c": 0.2, "rho": [1.0, 1.2], "tau": 0.0, "draft_feed_s": 0.01}}',
     "[1, 2, 3]",
 ])
 def test_an_unreadable_probe_counts_as_never_measured(stored, isolated_home, caplog):
@@ -246,6 +249,18 @@ def test_an_unreadable_probe_counts_as_never_measured(stored, isolated_home, cap
     remeasured = flat(0.3)
     save_probe(remeasured)
     assert load_probe("t", "d") == remeasured
+
+
+def test_a_probe_from_before_the_draft_s_feed_was_measured_is_measured_again_but_still_predicts(isolated_home):
+    """A format-2 probe lacks the draft's feed: decoding measures the pair again (its ``auto``
+    would price a prompt at nothing), while a report's predictions, which leave the feed out,
+    still read it."""
+    earlier = {key: value for key, value in flat(0.3).as_dict().items() if key != "draft_feed_s"} | {"format": 2}
+    path = probe_path("t", "d")
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(earlier))
+    assert load_probe("t", "d") is None
+    assert load_probe("t", "d", PREDICTION_FORMATS) == flat(0.3)
 
 
 @pytest.mark.slow

@@ -34,6 +34,8 @@ RHO_SIZES = 9  # rho(m) is measured for m = 1..9 and extrapolated linearly beyon
 # 3: the draft's feed of text measured (before: priced at a draft step a token, 16x what a feed
 #    costs on a 2-core CPU, or at the batch table's widest draft step per sequence, 1.7x)
 PROBE_FORMAT = 3
+# Formats a prediction from recorded rounds can read: 2 lacks only the draft's feed, which it leaves out.
+PREDICTION_FORMATS = (2, PROBE_FORMAT)
 BATCH_SIZES = (1, 2, 4, 8, 16)  # sequences per forward in the probe's batch table
 BATCH_POSITIONS = (1, 2, 3, 5, 9)  # positions per sequence measured at each batch size
 
@@ -91,8 +93,10 @@ class Probe:
     def draft_feed_steps(self, tokens: int, size: int) -> float:
         """Estimated cost of the draft taking in ``tokens`` tokens of text, as a row's first
         proposal feeds it the row's prompt, in plain steps of a batch of ``size``: the feed
-        time per token the probe measured (a row's text is fed alone at every batch size).
-        For a probe as measured, not one :meth:`at_batch` made; 0 for one made without it."""
+        time per token the probe measured (a joining row's prompt is fed alone at every batch
+        size; a plain stretch rides along the batch's first draft step, where this is a
+        rough price). For a probe as measured, not one :meth:`at_batch` made; 0 for one made
+        without it."""
         if not self.draft_feed_s:
             return 0.0
         return tokens * self.draft_feed_s / self.at_batch(size).target_step_s
@@ -122,6 +126,8 @@ class Probe:
         costs = (probe.c, probe.tau, probe.draft_overhead, probe.draft_feed_s, *probe.rho)
         if not probe.rho or not all(_is_cost(value) for value in costs):
             raise ValueError("a probe needs c, tau, draft_overhead, draft_feed_s and rho values, all numbers >= 0")
+        if probe.draft_feed_s and not (_is_cost(probe.target_step_s) and probe.target_step_s > 0):
+            raise ValueError("a probe with the draft's feed needs the target step it is counted in")
         return probe
 
 

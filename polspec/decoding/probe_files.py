@@ -30,8 +30,9 @@ def probe_path(target: str, draft: str) -> Path:
     return polspec_home() / "probes" / machine_key() / f"{target}__{draft}.json"
 
 
-def load_probe(target: str, draft: str) -> Probe | None:
-    """The stored probe of this pair on this machine, if one was measured.
+def load_probe(target: str, draft: str, formats: tuple[int, ...] = (PROBE_FORMAT,)) -> Probe | None:
+    """The stored probe of this pair on this machine, if one was measured in one of ``formats``
+    (an older one is measured again where it is used to decode).
 
     None as well when the file cannot be read as a probe (cut short by a crash, edited by hand):
     a probe is a measurement, so the pair counts as never measured (``auto`` measures it again)
@@ -42,7 +43,7 @@ def load_probe(target: str, draft: str) -> Probe | None:
         return None
     try:
         data = json.loads(path.read_text())
-        return Probe.from_dict(data) if data.get("format") == PROBE_FORMAT else None
+        return Probe.from_dict(data) if data.get("format") in formats else None
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as error:
         log.warning("ignoring unreadable probe %s (%s: %s); treated as never measured", path, type(error).__name__, error)
         return None

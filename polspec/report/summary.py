@@ -38,7 +38,7 @@ from typing import Any, NamedTuple, Protocol
 
 from sqlalchemy import Engine, func, select
 
-from polspec.decoding.costmodel import PROBE_FORMAT, Probe, break_even_acceptance, predicted_speedup_of_rounds
+from polspec.decoding.costmodel import PREDICTION_FORMATS, Probe, break_even_acceptance, predicted_speedup_of_rounds
 from polspec.decoding.params import DecodingParams
 from polspec.decoding.probe_files import load_probe
 from polspec.errors import PolspecError
@@ -331,7 +331,7 @@ def sweep_report(engine: Engine, batch_id: int) -> SweepReport:
             speculative_runs.append((pair, run))
             groups[key].append((pair, row))
     aggregate = {key: _aggregate(members) for key, members in spans.items()}
-    probes = {draft: load_probe(target, draft) for draft in {key.draft for key in groups}}
+    probes = {draft: load_probe(target, draft, PREDICTION_FORMATS) for draft in {key.draft for key in groups}}
     report_rows = [cell_row(key, members, baseline, probes[key.draft], aggregate.get(key),
                             aggregate.get((key.dataset, None, key.batch, key.temperature)), windows)
                    for key, members in sorted(groups.items(), key=lambda group: row_order(group[0]))]
@@ -463,5 +463,4 @@ def predicted_speedup_of_cell(k: str, members: list[tuple[Pair, Measured]], fall
 
 
 def _recorded_probe(data: dict | None) -> Probe | None:
-    # Format 2 lacks only the draft's feed, which a prediction from recorded rounds leaves out.
-    return Probe.from_dict(data) if data and data.get("format") in (2, PROBE_FORMAT) else None
+    return Probe.from_dict(data) if data and data.get("format") in PREDICTION_FORMATS else None

@@ -174,7 +174,8 @@ class Item(Base):
     item's own). ``attempts`` counts the times a worker started it; ``last_error`` is the
     reason of the latest failure; ``stops`` the times its worker stopped while running it
     (killed, or its lease ran out); ``worker_host`` and ``worker_pid`` the process that last
-    took it, so a restarted worker on the same host can tell that a running item's worker died;
+    took it (the host as :func:`~polspec.processes.this_host_and_boot` names it), so a restarted
+    worker on the same machine can tell that a running item's worker died;
     ``heartbeat_at`` is the running worker's lease, renewed while it runs (see ``store.items``).
 
     A sweep item has its place in the sweep as columns: ``cell_id``, ``prompt_key`` (the

@@ -94,8 +94,8 @@ class PolspecWorker(SimpleWorker):
         self.on_job_end: Callable[[], None] | None = None  # e.g. to redraw a progress bar
         self.database_failure: DatabaseFailure | None = None  # why a job RQ ran failed, if the database did
         self.pause = FIRST_PAUSE_S  # before the next try of Redis or the database (see _wait_until)
-        # RQ records the bare host name; recover compares it with an item's host, which names the
-        # pid namespace and the boot too, to tell a job whose worker was killed before its claim.
+        # RQ records the bare host name; recover compares this record with its own host, as items
+        # name it (pid namespace and boot too), to tell a job whose worker was killed before its claim.
         self.hostname = this_host_and_boot()
 
     @property
