@@ -3,8 +3,10 @@ batching (join, leave, cancel), ragged caches, the sampled distribution and per-
 
 from __future__ import annotations
 
+import json
 import time
 from collections import Counter
+from importlib import resources
 
 import mlx.core as mx
 import pytest
@@ -12,7 +14,7 @@ import pytest
 from polspec.decoding import DecodingParams, batch_kv, generate
 from polspec.decoding import batch as batch_module
 from polspec.decoding.acceptance import forget_estimates
-from polspec.decoding.batch import BatchDecoder, max_batch_size, stream_batch
+from polspec.decoding.batch import BatchDecoder, kv_bytes_per_sequence, max_batch_size, stream_batch
 from polspec.decoding.costmodel import BatchCost, Probe
 from polspec.decoding.run import encode_prompt
 from polspec.decoding.translate import STRATEGIES
@@ -387,6 +389,28 @@ def test_memory_bounds_the_batch_with_a_clear_error(gemma3, smollm2):
     with pytest.raises(PolspecError, match=r"one sequence of 1000000000 tokens needs [\d.]+ GB of KV cache and logits, "
                                            r"but only [\d.]+ GB is free here"):
         max_batch_size(gemma3, smollm2, 10**9)
+
+
+def test_the_caches_a_batch_fills_fit_the_memory_estimate_a_sequence(gemma3, smollm2):
+    """Free memory over a sequence's estimate sizes a batch, so the caches a batch really fills
+    must fit the estimate. It counted a draft token a target token (SmolLM2 takes 1.4-1.9 of
+    its tokens for one of Gemma-3's on Polish prose) and no growth: a cache grows past its
+    prompt by a step of 256 entries, so these rows held about twice what was counted."""
+    lines = resources.files("polspec.data").joinpath("polish-texts.jsonl").read_text(encoding="utf-8").splitlines()
+    prose = [json.loads(line)["text"] for line in lines]
+    decoder = BatchDecoder(gemma3, smollm2, max_batch=2)
+    for key, prompt in enumerate((" ".join(prose[:2]), prose[3])):  # rows of different lengths
+        decoder.add(key, prompt, DecodingParams(max_tokens=8, k=2), chat=False)
+    rounds = 0
+    while decoder:
+        decoder.step()
+        if decoder.rows:
+            held = sum(layer.keys.nbytes + layer.values.nbytes
+                       for layer in decoder.target_cache + decoder.draft_cache) / len(decoder.rows)
+            longest = max(len(row.prompt) + len(row.committed) for row in decoder.rows)
+            assert held <= kv_bytes_per_sequence(gemma3, smollm2, longest)
+            rounds += 1
+    assert rounds > 1
 
 
 def test_a_repeated_key_and_a_bad_prompt_are_refused_before_decoding(gemma3):

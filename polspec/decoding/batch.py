@@ -26,15 +26,19 @@ fixed ``k``, as ``k = auto`` rows share one draft length a round.
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import statistics
 import time
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
+from importlib import resources
 
 from polspec import backend  # noqa: F401  (before mlx: the Linux BLAS fix)
 
 import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache
 
 from polspec.decoding import batch_kv
 from polspec.decoding.acceptance import acceptance_estimate
@@ -533,17 +537,42 @@ def free_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") - mx.get_active_memory()
 
 
+def kv_bytes_per_sequence(target: LoadedModel, draft: LoadedModel | None, longest: int) -> int:
+    """The bytes of KV cache one sequence of ``longest`` target tokens fills in both models, at
+    most: the draft's holds its own tokens of the same text (:func:`draft_tokens_per_target_token`,
+    at least one a target token), and a cache grows past its prompt a step of entries at a time."""
+    def entries(tokens: float) -> int:
+        return math.ceil(tokens) + BatchKVCache.step
+
+    size = batch_kv.kv_bytes_per_token(target.model, batch_kv.check_batchable(target.model, target.entry.alias)) \
+        * entries(longest)
+    if draft is not None:
+        per_token = batch_kv.kv_bytes_per_token(draft.model, batch_kv.check_batchable(draft.model, draft.entry.alias))
+        size += per_token * entries(longest * max(1.0, draft_tokens_per_target_token(target, draft)))
+    return size
+
+
+def draft_tokens_per_target_token(target: LoadedModel, draft: LoadedModel) -> float:
+    """The most tokens the draft takes for one of the target's on a text of Polish prose (the
+    dozen shipped in ``polish-texts.jsonl``, each on its own: a batch is sized for its longest
+    sequence). SmolLM2 takes 1.4-1.9 for one of Gemma-3's, 1.6 over all of them."""
+    lines = resources.files("polspec.data").joinpath("polish-texts.jsonl").read_text(encoding="utf-8").splitlines()
+    texts = [json.loads(line)["text"] for line in lines]
+
+    def tokens(loaded: LoadedModel) -> list[int]:
+        return [len(ids) for ids in loaded.tokenizer._tokenizer(texts, add_special_tokens=False)["input_ids"]]
+
+    return max(ours / theirs for ours, theirs in zip(tokens(draft), tokens(target)))
+
+
 def max_batch_size(target: LoadedModel, draft: LoadedModel | None, longest: int, cap: int = 64) -> int:
     """The most sequences of ``longest`` tokens (prompt plus generation) that memory holds at once.
 
-    Counts each sequence's KV cache in both models and its logits over the widest round; a
-    PolspecError when not even one sequence fits.
+    Counts each sequence's KV cache in both models (:func:`kv_bytes_per_sequence`) and its
+    logits over the widest round; a PolspecError when not even one sequence fits.
     """
-    per_token = batch_kv.kv_bytes_per_token(target.model, batch_kv.check_batchable(target.model, target.entry.alias))
-    if draft is not None:
-        per_token += batch_kv.kv_bytes_per_token(draft.model, batch_kv.check_batchable(draft.model, draft.entry.alias))
     logits = 4 * (vocabulary_size(target.model) + (vocabulary_size(draft.model) if draft else 0)) * 2 * (DecodingParams().k_max + 1)
-    per_sequence = per_token * longest + logits
+    per_sequence = kv_bytes_per_sequence(target, draft, longest) + logits
     budget = free_memory_bytes() * MEMORY_SHARE
     fits = int(budget // per_sequence)
     if fits < 1:
