@@ -38,7 +38,7 @@ from polspec.report.summary import (CellKey, Pair, Row, SweepReport, Window, cel
 from polspec.report.summary import headline as summary_headline
 from polspec.store.engine import make_engine, session_scope
 from polspec.store.migrate import upgrade
-from polspec.store.schema import Cell, EnergyWindow, Item, Result, utcnow
+from polspec.store.schema import Batch, Cell, EnergyWindow, Item, Result, utcnow
 from conftest import sqlite_url
 from helpers import start_worker, statuses, wait_for, work
 
@@ -1025,9 +1025,16 @@ def test_cells_of_sweeps_from_before_temperature_grids_count_at_the_sweeps_tempe
             session.add(hand_result(item.id, 10.0 * (1.0 if cell.baseline else factor_of(cell.config))))
         session.execute(update(Item).values(status="done"))
     engine.dispose()
-    code, output = cli(env, "report", str(json.loads(output)["batch"]), "--format", "json")
-    report = json.loads(output.splitlines()[0])
-    assert len(report["rows"]) == 4
-    for row in report["rows"]:
-        assert (row["temperature"], row["verify"], row["batch"]) == (0.7, "exact", 1)
-        assert row["speedup"] == pytest.approx(factor_of(row))
+    sweep = json.loads(output)["batch"]
+    for before_verify in (False, True):
+        if before_verify:  # nor does the sweep itself record one: it sampled with exact match
+            with session_scope(engine) as session:
+                batch = session.get(Batch, sweep)
+                batch.spec = batch.spec | {"params": {k: v for k, v in batch.spec["params"].items() if k != "verify"}}
+            engine.dispose()
+        code, output = cli(env, "report", str(sweep), "--format", "json")
+        report = json.loads(output.splitlines()[0])
+        assert sorted(row["strategy"] for row in report["rows"]) == ["aligned", "aligned", "naive", "naive"]
+        for row in report["rows"]:
+            assert (row["temperature"], row["verify"], row["batch"]) == (0.7, "exact", 1)
+            assert row["speedup"] == pytest.approx(factor_of(row))

@@ -538,9 +538,11 @@ def free_memory_bytes() -> int:
 
 
 def kv_bytes_per_sequence(target: LoadedModel, draft: LoadedModel | None, longest: int) -> int:
-    """The bytes of KV cache one sequence of ``longest`` target tokens fills in both models, at
-    most: the draft's holds its own tokens of the same text (:func:`draft_tokens_per_target_token`,
-    at least one a target token), and a cache grows past its prompt a step of entries at a time."""
+    """The bytes of KV cache one sequence of ``longest`` target tokens fills in both models: the
+    draft's holds its own tokens of the same text (:func:`draft_tokens_per_target_token`, at
+    least one a target token), and a cache grows past its prompt a step of entries at a time.
+    Left padding the rows share (under 64 entries, see :mod:`~polspec.decoding.batch_kv`) and a
+    round's draft proposals are left to the slack of :data:`MEMORY_SHARE`."""
     def entries(tokens: float) -> int:
         return math.ceil(tokens) + BatchKVCache.step
 

@@ -343,9 +343,10 @@ def sweep_report(engine: Engine, batch_id: int) -> SweepReport:
 
 def _sweep_params(spec: dict[str, Any]) -> dict[str, Any]:
     """What a cell's configuration means where it leaves a key out (sweeps from before batching,
-    temperature grids or verification): the sweep's one value, else the default."""
+    temperature grids or verification): the sweep's one value, else what ran then (a sweep from
+    before ``verify`` sampled with exact match: every later one records it)."""
     params = spec.get("params", {})
-    return {"batch": 1, "temperature": params.get("temperature", 0.0), "verify": params.get("verify", "auto")}
+    return {"batch": 1, "temperature": params.get("temperature", 0.0), "verify": params.get("verify", "exact")}
 
 
 def _aggregate(spans: list[tuple[Any, Any, int]]) -> float | None:
