@@ -12,15 +12,14 @@ overhead as a fraction of the target's verification time. Prints Markdown.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from itertools import product
 from collections.abc import Iterator
-from importlib import resources
 
 from polspec import backend
 
 from polspec.decoding import DecodingParams, generate
+from polspec.decoding.draft_vocab import polish_texts
 from polspec.decoding.fidelity import Fidelity, oracle_fidelity
 from polspec.decoding.translate import STRATEGIES
 from polspec.jobs.datasets import load_dataset
@@ -35,10 +34,6 @@ FIDELITY_PAIRS = [
     ("qwen2.5-coder-1.5b", "smollm2-135m"), ("qwen2.5-coder-1.5b", "gemma3-270m"),
 ]
 
-
-def polish_texts() -> list[str]:
-    lines = resources.files("polspec.data").joinpath("polish-texts.jsonl").read_text(encoding="utf-8").splitlines()
-    return [json.loads(line)["text"] for line in lines if line.strip()]
 
 
 def fidelity_table(ks: list[int]) -> str:

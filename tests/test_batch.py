@@ -3,10 +3,8 @@ batching (join, leave, cancel), ragged caches, the sampled distribution and per-
 
 from __future__ import annotations
 
-import json
 import time
 from collections import Counter
-from importlib import resources
 
 import mlx.core as mx
 import pytest
@@ -16,6 +14,7 @@ from polspec.decoding import batch as batch_module
 from polspec.decoding.acceptance import forget_estimates
 from polspec.decoding.batch import BatchDecoder, kv_bytes_per_sequence, max_batch_size, stream_batch
 from polspec.decoding.costmodel import BatchCost, Probe
+from polspec.decoding.draft_vocab import polish_texts
 from polspec.decoding.run import encode_prompt
 from polspec.decoding.translate import STRATEGIES
 from polspec.errors import PolspecError
@@ -396,8 +395,7 @@ def test_the_caches_a_batch_fills_fit_the_memory_estimate_a_sequence(gemma3, smo
     must fit the estimate. It counted a draft token a target token (SmolLM2 takes 1.4-1.9 of
     its tokens for one of Gemma-3's on Polish prose) and no growth: a cache grows past its
     prompt by a step of 256 entries, so these rows held about twice what was counted."""
-    lines = resources.files("polspec.data").joinpath("polish-texts.jsonl").read_text(encoding="utf-8").splitlines()
-    prose = [json.loads(line)["text"] for line in lines]
+    prose = polish_texts()
     decoder = BatchDecoder(gemma3, smollm2, max_batch=2)
     for key, prompt in enumerate((" ".join(prose[:2]), prose[3])):  # rows of different lengths
         decoder.add(key, prompt, DecodingParams(max_tokens=8, k=2), chat=False)

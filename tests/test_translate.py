@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
-from importlib import resources
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from polspec.decoding.draft_vocab import polish_texts
 from polspec.decoding.fidelity import Fidelity, oracle_fidelity
 from polspec.decoding.translate import complete_utf8, encode_after, extend_tokens, token_bytes, translate_draft_to_target
 
@@ -23,10 +22,6 @@ POLISH = "aąbcćdeęfghijklłmnńoóprsśtuwyzźżAĄCĆEĘLŁNŃOÓSŚZŹŻ ,.
 def tables(tokenizer_of):
     return {alias: token_bytes(tokenizer_of(alias)) for alias in FAMILIES}
 
-
-def polish_texts() -> list[str]:
-    lines = resources.files("polspec.data").joinpath("polish-texts.jsonl").read_text(encoding="utf-8").splitlines()
-    return [json.loads(line)["text"] for line in lines]
 
 
 def test_raw_bytes_rebuild_the_text(tables):

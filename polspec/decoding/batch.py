@@ -26,14 +26,12 @@ fixed ``k``, as ``k = auto`` rows share one draft length a round.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import statistics
 import time
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
-from importlib import resources
 
 from polspec import backend  # noqa: F401  (before mlx: the Linux BLAS fix)
 
@@ -45,7 +43,7 @@ from polspec.decoding.acceptance import acceptance_estimate
 from polspec.decoding.commit import Commit
 from polspec.decoding.costmodel import Probe, can_pay, throughput_batch_size
 from polspec.decoding.draft_head import DraftHead, vocabulary_size
-from polspec.decoding.draft_vocab import draft_head
+from polspec.decoding.draft_vocab import draft_head, polish_texts
 from polspec.decoding.metrics import DecodeMetrics
 from polspec.decoding.params import DecodingParams
 from polspec.decoding.policy import DraftLength, shared_auto_k
@@ -558,8 +556,7 @@ def draft_tokens_per_target_token(target: LoadedModel, draft: LoadedModel) -> fl
     """The most tokens the draft takes for one of the target's on a text of Polish prose (the
     dozen shipped in ``polish-texts.jsonl``, each on its own: a batch is sized for its longest
     sequence). SmolLM2 takes 1.4-1.9 for one of Gemma-3's, 1.6 over all of them."""
-    lines = resources.files("polspec.data").joinpath("polish-texts.jsonl").read_text(encoding="utf-8").splitlines()
-    texts = [json.loads(line)["text"] for line in lines]
+    texts = polish_texts()
 
     def tokens(loaded: LoadedModel) -> list[int]:
         return [len(ids) for ids in loaded.tokenizer._tokenizer(texts, add_special_tokens=False)["input_ids"]]

@@ -44,6 +44,12 @@ _SYMBOLS = [*string.punctuation, *string.digits, *(f" {n}" for n in range(100)),
             ". ", ", ", ": ", "; ", " -", " –", " „", "”", "...", "…"]
 
 
+def polish_texts() -> list[str]:
+    """The dozen short Polish texts shipped for measuring and testing (``polish-texts.jsonl``)."""
+    lines = resources.files("polspec.data").joinpath("polish-texts.jsonl").read_text(encoding="utf-8").splitlines()
+    return [json.loads(line)["text"] for line in lines if line.strip()]
+
+
 def polish_words() -> list[tuple[str, float]]:
     """The shipped Polish words with their frequencies, most frequent first."""
     data = resources.files("polspec.data").joinpath("polish-words.tsv.gz").read_bytes()
