@@ -13,6 +13,7 @@ import signal
 import sqlite3
 import subprocess
 import time
+from types import SimpleNamespace
 
 import pytest
 import redis
@@ -163,7 +164,9 @@ def test_two_batched_workers_on_one_queue_never_duplicate(any_db_env):
 def test_heartbeat_keeps_a_job_longer_than_the_registry_ttl_alive(env):
     # TTL 3 s (interval 1 + grace 1 + the second RQ's whole-second scores take). The job asks for
     # more tokens than any machine decodes in that time and is cancelled once it has outlived
-    # the TTL twice; the test checks for expiry about three times a second meanwhile.
+    # the TTL twice; the test checks for expiry about three times a second meanwhile, from the
+    # job's first progress on (the item is claimed before its model loads, which on a slow
+    # machine took much of the window, and progress came after it).
     batch = enqueue(env, limit=1, max_tokens=8000)
     connection = redis.Redis.from_url(env["POLSPEC_REDIS_URL"])
     registry = StartedJobRegistry(queue_name(TARGET), connection=connection, serializer=JSONSerializer)
@@ -171,6 +174,8 @@ def test_heartbeat_keeps_a_job_longer_than_the_registry_ttl_alive(env):
     wait_for(lambda: statuses(env).get("running") == 1, 120, "the item to start")
     (job_id,) = registry.get_job_ids(cleanup=False) or [None]
     assert job_id is not None
+    job = Job.fetch(job_id, connection=connection, serializer=JSONSerializer)
+    wait_for(lambda: job.get_meta().get("tokens", 0) > 0, 120, "the job's first progress")
     started = time.monotonic()
     progress = []
     while time.monotonic() - started < 2 * 3 + 1:
@@ -351,11 +356,14 @@ def test_a_batch_cap_after_a_failure_that_passed_runs_out_and_the_batch_widens_a
     """Memory another program held for a while made one batch of four fail: the worker decoded
     that pairing two at a time for the rest of its life (a night's sweep at half its batch).
     The cap now runs out (after CAP_HOLD_S, half a second here), and the batch in flight takes
-    four again."""
+    four again. The batching clock moves 0.1 s a round and stands still between them: on real
+    time, a slow machine's work between the failed batch and the next (failing four items,
+    claiming two) could outlast the cap before the capped batch's first round."""
     enqueue(env, limit=12, max_tokens=12)
-    step, widths = BatchDecoder.step, []
+    step, widths, clock = BatchDecoder.step, [], [0.0]
 
     def short_of_memory_once(self):
+        clock[0] += 0.1
         width = len(self.rows) + len(self.waiting)
         widths.append(width)
         if width > 2 and len(widths) == 1:
@@ -364,10 +372,11 @@ def test_a_batch_cap_after_a_failure_that_passed_runs_out_and_the_batch_widens_a
 
     monkeypatch.setattr(BatchDecoder, "step", short_of_memory_once)
     monkeypatch.setattr(batching, "CAP_HOLD_S", 0.5)
+    monkeypatch.setattr(batching, "time", SimpleNamespace(monotonic=lambda: clock[0], perf_counter=time.perf_counter))
     worker_in_process(env, "--burst", "--batch", "4")
     assert_each_item_done_once(env, 12)
     capped = widths.index(4, 1) if 4 in widths[1:] else len(widths)
-    assert widths[0] == 4 and max(widths[1:capped]) == 2 and capped < len(widths), widths
+    assert widths[0] == 4 and capped > 1 and max(widths[1:capped]) == 2 and capped < len(widths), widths
 
 
 def test_an_item_past_its_job_timeout_in_a_batch_fails_like_a_timed_out_job_and_is_retried(env):
