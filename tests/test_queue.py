@@ -9,6 +9,7 @@ import csv
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -39,7 +40,7 @@ from polspec.worker import run as worker_run
 from polspec.worker.model_cache import ModelCache
 from polspec.worker.worker import PolspecWorker
 from conftest import sqlite_url
-from helpers import wait_for, work, worker_in_process
+from helpers import resident_worker_models, wait_for, work, worker_in_process
 
 PROMPTS = [
     "Jaka jest stolica Czech?", "Ile nóg ma pająk?", "Kto napisał „Pana Tadeusza”?", "Gdzie leży Zakopane?",
@@ -561,6 +562,22 @@ def test_a_worker_stops_listening_for_commands_at_once(env):
     assert time.monotonic() - started < 10  # RQ's own poll: 60 s
 
 
+def test_a_second_signal_during_the_first_one_s_handler_still_stops_the_worker(env):
+    """The first SIGTERM's handler says it stops, then marks the stop; a second SIGTERM sent on
+    seeing the line ran in between: its SystemExit, swallowed by RQ's job runner, left no
+    stop marked, and the worker went on to the next item (RQ's loop ends on the mark)."""
+    worker = PolspecWorker([queue_name("smollm2-135m")], connection=redis.Redis.from_url(env["POLSPEC_REDIS_URL"]))
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    worker.handle_warm_shutdown_request = lambda: worker.request_force_stop(signal.SIGTERM, None)  # the second lands
+    try:
+        with pytest.raises(SystemExit):
+            worker.request_stop(signal.SIGTERM, None)
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+    assert worker._stop_requested
+
+
 def test_worker_refuses_an_out_of_date_schema(env):
     with pytest.raises(PolspecError, match="no such file"):  # run db upgrade there? it may be a typo
         work(env)
@@ -604,7 +621,8 @@ def test_a_job_from_another_database_is_not_run_against_this_one(env, tmp_path, 
 @pytest.mark.slow
 def test_demo_runs_the_main_job_with_a_private_redis(home_with_models, tmp_path, closed_port):
     env = {"POLSPEC_DB_URL": f"sqlite:///{tmp_path / 'demo.db'}", "POLSPEC_REDIS_URL": f"redis://127.0.0.1:{closed_port}/0"}
-    code, output = cli(env, "demo", "--limit", "2", "--max-tokens", "4", "--batch", "2")
+    with resident_worker_models():  # its two workers run in this process; loading is not what it shows
+        code, output = cli(env, "demo", "--limit", "2", "--max-tokens", "4", "--batch", "2")
     assert code == 0, output
     assert "started a private redis-server" in output and "wiki-001" in output and "wiki-002" in output
     assert "batched, 2 at a time:" in output and "one at a time:" in output and "2 of 2 texts are identical" in output

@@ -163,8 +163,12 @@ class PolspecWorker(SimpleWorker):
     def request_force_stop(self, signum, frame) -> None:
         # RQ ignores a second signal that comes within a second of the first: its worker pool
         # sends duplicates. polspec runs no pool, and a quick double Ctrl+C means stop now.
-        # Jobs run in this process (no work horse to take down): stopping is leaving.
+        # Jobs run in this process (no work horse to take down): stopping is leaving. RQ's job
+        # runner swallows the SystemExit; its loop ends on the stop flag, which the first
+        # signal's handler sets last: a second signal during that handler would otherwise leave
+        # the worker going on to the next item.
         log.warning("stopping now: the items in flight stay running until a worker or recover requeues them")
+        self._stop_requested = True
         raise SystemExit()
 
     def handle_exception(self, job: Job, *exc_info) -> None:
