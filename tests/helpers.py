@@ -16,7 +16,7 @@ from sqlalchemy import func, select
 
 from polspec.cli import main
 from polspec.store.engine import make_engine, session_scope
-from polspec.store.schema import Item
+from polspec.store.schema import Item, Status
 from polspec.worker import run as worker_run
 from polspec.worker.model_cache import ModelCache
 from conftest import resident_or_load
@@ -74,6 +74,17 @@ def statuses(env: dict[str, str]) -> dict[str, int]:
         rows = session.execute(select(Item.status, func.count()).group_by(Item.status)).all()
     engine.dispose()
     return dict(rows)
+
+
+def shorten_unfinished(env: dict[str, str], max_tokens: int) -> None:
+    """Every item not yet done asks for ``max_tokens`` from now on: a test-only write that makes
+    the run after a fault cheap. Its items were enqueued long, to be surely decoding when the
+    fault came, and a worker reads an item's parameters from its row as it claims it."""
+    engine = make_engine(env["POLSPEC_DB_URL"])
+    with session_scope(engine) as session:
+        for item in session.scalars(select(Item).where(Item.status.in_([Status.QUEUED, Status.RUNNING]))):
+            item.params = item.params | {"max_tokens": max_tokens}
+    engine.dispose()
 
 
 def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:

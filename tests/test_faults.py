@@ -1,8 +1,9 @@
 """Faults a batch must survive without losing or duplicating a result.
 
-Workers run as real processes (``polspec worker``), so they can be killed; Redis is a real
-redis-server with AOF that the tests restart. Every test ends by checking that each item has
-exactly one result.
+Workers run as real processes (``polspec worker``) where a test acts on one while it runs (a
+kill, a signal, a cancel, Redis restarted under it) or runs two; the others, and every run after
+a fault, run in this process. Redis is a real redis-server with AOF that the tests restart.
+Every test ends by checking that each item has exactly one result.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import os
 import signal
 import sqlite3
 import subprocess
+import threading
 import time
 from types import SimpleNamespace
 
@@ -34,7 +36,7 @@ from polspec.store.items import claim_item
 from polspec.worker import batching, tasks
 from polspec.worker.worker import PolspecWorker
 from conftest import sqlite_url
-from helpers import start_worker, statuses, wait_for, wait_for_line, worker_in_process
+from helpers import shorten_unfinished, start_worker, statuses, wait_for, wait_for_line, worker_in_process
 
 pytestmark = pytest.mark.slow
 TARGET = "smollm2-135m"
@@ -76,14 +78,16 @@ def env(sqlite_env: dict[str, str]) -> dict[str, str]:
 
 
 def test_worker_killed_mid_item_then_restarted_does_every_item_once(env):
-    enqueue(env, limit=6, max_tokens=24)
+    enqueue(env, limit=2, max_tokens=4)
+    enqueue(env, limit=4, max_tokens=2000)  # the first is the one killed: no machine ends it before
     first = start_worker(env, "--burst", "--batch", "1")
-    wait_for(lambda: statuses(env).get("done", 0) >= 2 and statuses(env).get("running", 0) == 1, 240,
+    wait_for(lambda: statuses(env).get("done", 0) == 2 and statuses(env).get("running", 0) == 1, 240,
              "two items done and one running")
     first.send_signal(signal.SIGKILL)
     first.wait()
-    assert statuses(env).get("running") == 1  # the killed worker's item, left behind
+    assert statuses(env) == {"done": 2, "running": 1, "queued": 3}  # the killed worker's item, left behind
 
+    shorten_unfinished(env, 4)
     output = worker_in_process(env, "--burst", "--batch", "1")
     assert requeued_after_a_kill(1) in output
     items = assert_each_item_done_once(env, 6)
@@ -130,22 +134,31 @@ def test_a_claim_the_database_fails_gives_its_job_back_and_stops_no_worker(env, 
 
 
 @pytest.mark.parametrize("batch", [1, 2])
-def test_a_result_meeting_the_database_locked_past_its_busy_timeout_waits_and_is_stored(env, batch):
+def test_a_result_meeting_the_database_locked_past_its_busy_timeout_waits_and_is_stored(env, batch, monkeypatch):
     """A long writer (a large sweep's enqueue, a migration) holding SQLite's write lock past the
     busy timeout as an item finishes: its result waits in the worker, the batch with it, and is
     stored once the lock is free. It used to fail every item in flight, whose decoding RQ's
-    retry then did again (attempts 2)."""
-    enqueue(env, limit=3, max_tokens=48)
-    worker = start_worker(env | {"POLSPEC_DB_BUSY_TIMEOUT_MS": "200"}, "--burst", "--batch", str(batch))
-    wait_for(lambda: statuses(env).get("running", 0) == batch, 240, f"{batch} items decoding")
-    database = sqlite3.connect(sqlite_file(make_url(env["POLSPEC_DB_URL"])), isolation_level=None)
-    database.execute("BEGIN IMMEDIATE")
-    assert "waits in this worker until it answers" in wait_for_line(worker, "the database failed")
-    time.sleep(1)  # a few tries meet the lock
-    database.rollback()
+    retry then did again (attempts 2). Another connection takes the lock as the first result
+    is stored, and lets it go a second later: a few tries meet it."""
+    enqueue(env, limit=3, max_tokens=6)
+    database = sqlite3.connect(sqlite_file(make_url(env["POLSPEC_DB_URL"])), isolation_level=None,
+                               check_same_thread=False)
+    store_result, release, locked = tasks.store_result, threading.Timer(1.0, database.rollback), []
+
+    def the_first_meets_a_lock(ctx, item_id, result):
+        if not locked:
+            database.execute("BEGIN IMMEDIATE")
+            release.start()
+            locked.append(item_id)
+        return store_result(ctx, item_id, result)
+
+    monkeypatch.setattr(tasks, "store_result", the_first_meets_a_lock)
+    monkeypatch.setattr(batching, "store_result", the_first_meets_a_lock)
+    output = worker_in_process(env | {"POLSPEC_DB_BUSY_TIMEOUT_MS": "200"}, "--burst", "--batch", str(batch))
+    release.join()
     database.close()
-    output = finish(worker)
-    assert "the database answers again: the result of item" in output
+    assert f"the result of item {locked[0]} waits in this worker until it answers" in output
+    assert f"the database answers again: the result of item {locked[0]} is recorded" in output
     assert [item.attempts for item in assert_each_item_done_once(env, 3)] == [1, 1, 1]
 
 
@@ -248,19 +261,20 @@ def test_cancel_stops_a_running_item_between_rounds(env):
 # --- the same faults while items decode together (worker --batch) ------------------------------
 
 def test_batched_worker_killed_mid_batch_then_restarted_does_every_item_once(env):
-    enqueue(env, limit=8, max_tokens=32)
+    enqueue(env, limit=2, max_tokens=4)
+    enqueue(env, limit=6, max_tokens=2000)  # no machine ends these before the kill, which takes four
     first = start_worker(env, "--burst", "--batch", "4")
-    wait_for(lambda: statuses(env).get("running", 0) == 4, 240, "a batch of four items decoding")
-    time.sleep(1.0)  # a few rounds into the batch
+    wait_for(lambda: statuses(env).get("done", 0) == 2 and statuses(env).get("running", 0) == 4, 240,
+             "two items done and their slots refilled")
     first.send_signal(signal.SIGKILL)
     first.wait()
-    left = statuses(env)
-    assert left.get("running", 0) >= 1 and left.get("done", 0) < 8  # the killed batch's items, left behind
+    assert statuses(env) == {"done": 2, "running": 4, "queued": 2}  # the killed batch's items, left behind
 
+    shorten_unfinished(env, 4)
     output = worker_in_process(env, "--burst", "--batch", "4")
-    assert requeued_after_a_kill(left["running"]) in output
+    assert requeued_after_a_kill(4) in output
     items = assert_each_item_done_once(env, 8)
-    assert sorted(item.attempts for item in items) == [1] * (8 - left["running"]) + [2] * left["running"]
+    assert sorted(item.attempts for item in items) == [1] * 4 + [2] * 4
 
 
 def test_redis_flushed_mid_batch_loses_nothing(env):
@@ -307,7 +321,7 @@ def test_first_sigterm_finishes_the_batch_in_flight_then_stops(env):
 
 @pytest.mark.parametrize(("batch", "limit", "left"), [(4, 4, {"running": 4}), (1, 2, {"running": 1, "queued": 1})])
 def test_second_sigterm_stops_at_once_without_a_traceback_and_the_items_run_again(env, batch, limit, left):
-    enqueue(env, limit=limit, max_tokens=200)
+    enqueue(env, limit=limit, max_tokens=2000)  # more than any machine decodes before the stop
     worker = start_worker(env, "--burst", "--batch", str(batch))
     wait_for(lambda: statuses(env).get("running", 0) == batch, 240, f"{batch} items decoding")
     worker.send_signal(signal.SIGTERM)
@@ -317,7 +331,8 @@ def test_second_sigterm_stops_at_once_without_a_traceback_and_the_items_run_agai
     worker.send_signal(signal.SIGTERM)
     output = worker.communicate(timeout=60)[0]
     assert "stopping now" in output and "Traceback" not in output, output
-    assert statuses(env) == left  # stopped mid-item (200 tokens each), left for the next worker
+    assert statuses(env) == left  # stopped mid-item, left for the next worker
+    shorten_unfinished(env, 4)
     output = worker_in_process(env, "--burst", "--batch", "4")  # the rerun need not take them one at a time
     assert requeued_after_a_kill(batch) in output
     attempts = sorted(item.attempts for item in assert_each_item_done_once(env, limit))
@@ -381,13 +396,13 @@ def test_a_batch_cap_after_a_failure_that_passed_runs_out_and_the_batch_widens_a
 
 def test_an_item_past_its_job_timeout_in_a_batch_fails_like_a_timed_out_job_and_is_retried(env):
     enqueue(env, limit=1, max_tokens=2000)  # this one cannot finish within its 1 s, at any speed
-    enqueue(env, limit=1, max_tokens=100)
+    enqueue(env, limit=1, max_tokens=100)  # enough to be decoding beside the other as it times out
     connection = redis.Redis.from_url(env["POLSPEC_REDIS_URL"])
     queue = Queue(queue_name(TARGET), connection=connection, serializer=JSONSerializer)
     jobs = queue.get_jobs()
     jobs[0].timeout = 1  # the other job keeps its own timeout, and finishes
     jobs[0].save()
-    finish(start_worker(env, "--burst", "--batch", "2"))
+    worker_in_process(env, "--burst", "--batch", "2")
     engine = make_engine(env["POLSPEC_DB_URL"])
     with session_scope(engine) as session:
         items = {item.id: item for item in session.scalars(select(Item))}

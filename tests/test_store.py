@@ -12,7 +12,6 @@ import shutil
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -61,6 +60,7 @@ from polspec.store.queries import batch_progress, item_detail, item_rows, run_sq
 from polspec.store.schema import Batch, Cell, EnergyWindow, Item, Result, Status, metadata, utcnow
 from conftest import sqlite_url
 from helpers import wait_for
+import store_procs
 
 TABLES = {"batches", "cells", "items", "results", "energy_windows", "polspec_meta", "alembic_version"}
 
@@ -237,14 +237,9 @@ def test_downgrade_to_base_then_upgrade_round_trip(db_url: str) -> None:
     engine.dispose()
 
 
-def _ensure(url: str) -> str | None:
-    ensure_schema(url)
-    return current_revision(url)
-
-
 def test_concurrent_ensure_schema_migrates_once(db_url: str) -> None:
     with multiprocessing.get_context("spawn").Pool(4) as pool:
-        revisions = pool.map(_ensure, [db_url] * 4)
+        revisions = pool.map(store_procs.ensure_then_read_revision, [db_url] * 4)
     assert revisions == [head_revision()] * 4
 
 
@@ -349,16 +344,6 @@ def test_a_worker_s_reads_go_on_while_another_process_writes_for_long(tmp_path: 
         engine.dispose()
 
 
-def _read_then_write(url: str, rounds: int) -> None:
-    engine = make_engine(url)
-    for _ in range(rounds):
-        with session_scope(engine) as session:
-            count = session.scalar(select(func.count()).select_from(Item))
-            time.sleep(0.005)  # widen the window in which another writer could step in
-            session.add(Item(batch_id=1, item_key=str(count), prompt="x", params={}))
-    engine.dispose()
-
-
 def test_concurrent_read_then_write_transactions_all_complete(tmp_path: Path) -> None:
     url = sqlite_url(tmp_path)
     upgrade(url)
@@ -368,7 +353,7 @@ def test_concurrent_read_then_write_transactions_all_complete(tmp_path: Path) ->
 
     workers, rounds = 4, 10
     with multiprocessing.get_context("spawn").Pool(workers) as pool:
-        pool.starmap(_read_then_write, [(url, rounds)] * workers)
+        pool.starmap(store_procs.read_then_write, [(url, rounds)] * workers)
 
     # Serialised transactions: every read saw every earlier write, so the keys are 0..n-1.
     with session_scope(engine) as session:
