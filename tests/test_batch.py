@@ -60,10 +60,13 @@ def single():
     return ids
 
 
-def decode_all(target, draft, batch: int, prompts: int = len(PROMPTS),
+def decode_all(target, draft, batch: int, prompts: int = len(PROMPTS), rows: tuple[dict, ...] = ({},),
                **params) -> tuple[dict[int, list[int]], dict[int, object]]:
-    """The first ``prompts`` of PROMPTS decoded ``batch`` at a time: tokens and metrics by index."""
-    requests = [(prompt, DecodingParams(max_tokens=max_tokens(i), **params)) for i, prompt in enumerate(PROMPTS[:prompts])]
+    """The first ``prompts`` of PROMPTS decoded ``batch`` at a time: tokens and metrics by index.
+    Each request has ``params`` and the settings of ``rows`` in turn (rows of one batch decoding
+    with different settings)."""
+    requests = [(prompt, DecodingParams(max_tokens=max_tokens(i), **params, **rows[i % len(rows)]))
+                for i, prompt in enumerate(PROMPTS[:prompts])]
     tokens: dict[int, list[int]] = {i: [] for i in range(prompts)}
     metrics = {}
     for event in stream_batch(target, draft, requests, max_batch=batch, chat=False):
@@ -86,23 +89,29 @@ def test_batched_target_only_equals_single_sequence_decoding(gemma3, single, bat
     assert max(m.batch_size for m in metrics.values()) == pytest.approx(min(batch, len(PROMPTS)))
 
 
-# The default strategy one at a time, at B = 3 (three late joins) and at B = 8; the others at
-# one of B = 3 and B = 8 each (joining does not depend on the strategy).
-@pytest.mark.parametrize("strategy, batch", [("aligned", 1), ("aligned", 3), ("aligned", 8)] + [
-    (strategy, (3, 8)[i % 2]) for i, strategy in enumerate([s for s in STRATEGIES if s != "aligned"] + ["aligned/hold"])])
+# Each strategy's settings, as rows of a batch.
+STRATEGY_ROWS = tuple({"strategy": name, "partial_word": partial_word or "verify"}
+                      for name, _, partial_word in (s.partition("/") for s in (*STRATEGIES, "aligned/hold")))
+
+
+# The default strategy one at a time, at B = 3 (three late joins) and at B = 8; every strategy
+# as rows of one batch of B = 3, each row its own (translation is per row; joining does not
+# depend on the strategy).
+@pytest.mark.parametrize("strategy, batch", [("aligned", 1), ("aligned", 3), ("aligned", 8), ("each row its own", 3)])
 def test_batched_speculative_is_lossless_for_every_strategy(gemma3, smollm2, single, strategy, batch):
-    name, _, partial_word = strategy.partition("/")
+    rows = STRATEGY_ROWS if strategy == "each row its own" else STRATEGY_ROWS[:1]
     tokens, metrics = decode_all(gemma3, smollm2, batch, prompts=ONE_AT_A_TIME if batch == 1 else len(PROMPTS), k=2,
-                                 strategy=name, partial_word=partial_word or "verify")
+                                 rows=rows)
     assert_lossless(gemma3, single, tokens)
     assert sum(m.draft_tokens for m in metrics.values()) > 0
     assert all(m.finish_reason in ("length", "stop") for m in metrics.values())
 
 
-@pytest.mark.parametrize("k", ["heuristic", "confidence", 3])
-def test_batched_speculative_with_a_sliding_window_draft_and_every_policy(smollm2, gemma3, single, k):
-    tokens, _ = decode_all(smollm2, gemma3, 3, k=k)
+def test_batched_speculative_with_a_sliding_window_draft_and_every_policy(smollm2, gemma3, single):
+    """Rows of one batch under each k policy in turn, the draft a sliding-window model."""
+    tokens, metrics = decode_all(smollm2, gemma3, 3, rows=({"k": "heuristic"}, {"k": "confidence"}, {"k": 3}))
     assert_lossless(smollm2, single, tokens)
+    assert all(metrics[index].draft_tokens > 0 for index in range(3)), [m.draft_tokens for m in metrics.values()]
 
 
 def test_the_confidence_policy_drafts_no_step_past_what_every_row_proposes(gemma3, smollm2, single, monkeypatch):
@@ -371,13 +380,12 @@ def test_batched_speculative_sampling_keeps_the_target_distribution(gemma3, smol
     assert statistic < chi_square_critical(df), (statistic, df, Counter(map(tuple, sequences)).most_common(5))
 
 
-@pytest.mark.parametrize("verify", ["tli", "exact"])
-def test_a_seed_gives_the_same_samples_whatever_the_batch_holds(gemma3, smollm2, verify):
-    """At a fixed k, by speculative sampling or by exact match (whose round draws as many numbers
-    as it has candidates, which the batch does not change)."""
-    params = DecodingParams(seed=7, max_tokens=6, temperature=1.0, k=2, verify=verify)
+def test_a_seed_gives_the_same_samples_whatever_the_batch_holds(gemma3, smollm2):
+    """At a fixed k, by exact match, whose round draws as many numbers as it has candidates,
+    which the batch does not change (speculative sampling: test_speculative_sampling)."""
+    params = DecodingParams(seed=7, max_tokens=6, temperature=1.0, k=2, verify="exact")
     alone = generate(gemma3, smollm2, PROMPTS[1], params, chat=False).token_ids
-    others = [(PROMPTS[i], DecodingParams(seed=100 + i, max_tokens=6, temperature=0.8, k=2, verify=verify))
+    others = [(PROMPTS[i], DecodingParams(seed=100 + i, max_tokens=6, temperature=0.8, k=2, verify="exact"))
               for i in (2, 3, 4)]
     tokens: dict[int, list[int]] = {}
     for event in stream_batch(gemma3, smollm2, [*others, (PROMPTS[1], params)], max_batch=4, chat=False):
@@ -455,7 +463,7 @@ def test_an_unseeded_sampled_run_records_the_seed_that_reruns_it(gemma3, smollm2
         return tokens, seeds
 
     for draft in (None, smollm2):
-        params = DecodingParams(max_tokens=6, temperature=1.0, k=2)
+        params = DecodingParams(max_tokens=3, temperature=1.0, k=2)
         first = generate(gemma3, draft, PROMPTS[0], params, chat=False)
         assert isinstance(first.metrics.seed, int)
         again = generate(gemma3, draft, PROMPTS[0], DecodingParams(**{**params.as_dict(), "seed": first.metrics.seed}),
