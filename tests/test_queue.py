@@ -717,7 +717,7 @@ def test_batched_worker_gives_the_texts_of_one_at_a_time(tmp_path, redis_url, mo
     max_tokens), decoded by --batch 4 and by --batch 1 into two databases: the same texts.
     With a meter, --batch 1 measures each item and --batch 4 each batch as a whole."""
     monkeypatch.setattr(worker_run, "open_meter", lambda device: (ClockMeter(), "a clock at 10 W"))
-    rows = [{"id": f"q{i}", "prompt": prompt, "max_tokens": 4 + 3 * (i % 3)} for i, prompt in enumerate(PROMPTS[:6])]
+    rows = [{"id": f"q{i}", "prompt": prompt, "max_tokens": 2 + 2 * (i % 3)} for i, prompt in enumerate(PROMPTS[:6])]
     source = tmp_path / "prompts.jsonl"
     source.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
     texts = {}
