@@ -169,8 +169,10 @@ def test_hard_inputs_are_lossless(request, baseline, pair):
     target, draft = request.getfixturevalue(target_name), request.getfixturevalue(draft_name)
     max_tokens = MAX_TOKENS if target_name == "smollm2" else 8  # gemma3 is the slower target
     params = DecodingParams(max_tokens=max_tokens, k=3)
+    # The twin pair's translation test already runs its cases with these parameters.
+    inputs = [text for text in INPUTS.values() if draft_name != "twin" or (text, False) not in TWIN_CASES]
     accepted = 0
-    for prompt in INPUTS.values():
+    for prompt in inputs:
         run = speculate(target, draft, prompt, params, chat=False)
         assert_lossless(target, prompt, False, baseline(target, prompt, False, max_tokens), run.tokens)
         accepted += run.metrics.candidates_accepted

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from polspec.decoding.draft_vocab import polish_texts
+from polspec.decoding.metrics import DecodeMetrics
+from polspec.decoding.params import DecodingParams
+from polspec.decoding.policy import DraftLength
+from polspec.decoding.speculative import settle_round
 from polspec.decoding.fidelity import Fidelity, oracle_fidelity
 from polspec.decoding.translate import complete_utf8, encode_after, extend_tokens, token_bytes, translate_draft_to_target
 
@@ -90,6 +93,29 @@ def test_bytes_the_cap_leaves_out_are_held_back(tables):
     capped = translate_draft_to_target("aligned", draft, target, proposal, [], cap=8)
     assert target.text(capped.candidates) == b"00000000" and capped.held_back == 1
     assert translate_draft_to_target("aligned", draft, target, proposal, []).held_back == 0
+
+
+def test_draft_tokens_that_repeat_the_lag_count_as_accepted_with_the_rest(tables):
+    """The target committed part of an emoji (the draft's lag); the draft, which has not seen
+    it, proposes the whole emoji and the words after it, and the target accepts every
+    candidate: every draft token is accepted, those that repeat the lag too (they were counted
+    against the accepted text alone, so the proposal's last tokens fell out of the count).
+    SmolLM2 drafts for itself as another family, as the twin pair of test_lossless_inputs
+    does: it writes " 😀" in two tokens, the first ending inside the emoji, and "😀" alone in three."""
+    draft = target = tables["smollm2-135m"]
+    committed, rest = target.encode(" Emoji 😀".encode())[:-1], "😀 Polska leży".encode()
+    text = target.text(committed)
+    lag = text[len(complete_utf8(text)):]
+    assert lag == rest[:3]
+    proposal = draft.encode(rest)
+    params = DecodingParams(k=len(proposal))
+    candidates = translate_draft_to_target("aligned", draft, target, proposal, committed, lag=lag).candidates
+    assert target.text(candidates) == rest[3:]
+    for accepted, counted in ((len(candidates), len(proposal)), (0, 0)):
+        metrics = DecodeMetrics()
+        choices = candidates[:accepted] + [target.tokenizer.eos_token_id]
+        settle_round(candidates, choices, proposal, 0, params, set(), metrics, DraftLength(params), (draft, target), lag)
+        assert (metrics.candidates_accepted, metrics.draft_tokens_accepted) == (accepted, counted)
 
 
 @pytest.mark.parametrize("target", ["qwen2.5-coder-1.5b", "tok:mistral-32k"])

@@ -201,7 +201,8 @@ class BatchDecoder:
         for row, sequence in enumerate(self.rows):
             new, accepted, stopped = settle_round(
                 candidates[row], choices[row], proposals[row], len(sequence.committed), sequence.params,
-                sequence.eos, sequence.metrics, sequence.policy or _PLAIN, self.tables)
+                sequence.eos, sequence.metrics, sequence.policy or _PLAIN, self.tables,
+                sequence.draft_text.lag if sequence.draft_text else b"")
             trims.append(width - 1 - accepted)
             sequence.metrics.plain_rounds += not proposals[row] and sequence.policy is not None
             sequence.committed += new

@@ -255,7 +255,7 @@ def generate_speculative(
                 if candidates else None
             choices = speculative_choices(logits, candidates, drawn_from, params, seed, position).tolist()
         new, accepted, stopped = settle_round(candidates, choices, proposal, len(committed), params, eos, metrics,
-                                              policy, tables)
+                                              policy, tables, draft_side.text.lag)
         trim(target_cache, len(candidates) - accepted)
         now = time.perf_counter()
         metrics.verify_s += now - clock
@@ -290,6 +290,7 @@ def settle_round(
     metrics: DecodeMetrics,
     policy: DraftLength,
     tables: tuple[TokenBytes, TokenBytes] | None,
+    lag: bytes,
 ) -> tuple[list[int], int, bool]:
     """Accept candidates against the target's ``choices``; returns (new tokens, accepted, stopped).
 
@@ -297,7 +298,8 @@ def settle_round(
     target's choice at the first mismatch is committed too; the round stops at EOS and at
     ``params.max_tokens`` (``committed`` tokens are already in). ``metrics`` and ``policy``
     learn the round; ``tables`` (draft, target) count the accepted draft tokens of a
-    cross-tokenizer pair.
+    cross-tokenizer pair, whose proposal starts by repeating ``lag`` (committed bytes the
+    draft had not seen).
     """
     accepted = 0
     while accepted < len(candidates) and choices[accepted] == candidates[accepted]:
@@ -313,14 +315,16 @@ def settle_round(
     metrics.rejections += accepted < len(candidates)
     metrics.candidates_accepted += inside
     metrics.draft_tokens_accepted += (
-        _draft_tokens_inside(tables[0], proposal, tables[1], new[:inside]) if tables is not None else inside)
+        _draft_tokens_inside(tables[0], proposal, tables[1], new[:inside], lag) if tables is not None else inside)
     policy.observe(accepted, len(candidates), len(proposal))
     return new, accepted, stop is not None
 
 
-def _draft_tokens_inside(draft: TokenBytes, proposal: list[int], target: TokenBytes, accepted: list[int]) -> int:
-    """How many leading draft tokens lie wholly inside the accepted target text."""
-    budget = len(target.text(accepted))
+def _draft_tokens_inside(draft: TokenBytes, proposal: list[int], target: TokenBytes, accepted: list[int],
+                         lag: bytes) -> int:
+    """How many leading draft tokens lie wholly inside the accepted target text, after the
+    ``lag`` the proposal repeats (none when no candidate was accepted)."""
+    budget = len(lag) + len(target.text(accepted)) if accepted else 0
     count = 0
     for token in proposal:
         size = len(draft.piece(token) or b"")
