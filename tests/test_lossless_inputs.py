@@ -198,12 +198,16 @@ def test_speculative_sampling_through_the_twin_pair_accepts_nearly_everything(sm
     target samples a character as byte pieces, the twin reads the text as it would write it,
     as one token, and its q there is not p (over seeds 0-23: 428 of 475 candidates, 0.90;
     seeds 0-3 alone: 71 of 80)."""
-    metrics = DecodeMetrics()
+    metrics, lagged = DecodeMetrics(), False
     for seed in range(4):
         for prompt in (INPUTS["mid-word"], INPUTS["trailing whitespace"]):
             run = speculate(smollm2, twin, prompt, DecodingParams(max_tokens=MAX_TOKENS, k=3, temperature=0.8, seed=seed,
                                                                   verify="tli", draft_vocab="full"), chat=False)
             assert run.metrics.verify == "tli"
+            # One candidate a draft token, its twin: the counts agree, in rounds after a byte piece too.
+            assert run.metrics.draft_tokens_accepted == run.metrics.candidates_accepted
             metrics.candidates += run.metrics.candidates
             metrics.candidates_accepted += run.metrics.candidates_accepted
+            lagged |= run.lagged
     assert metrics.acceptance_per_candidate > 0.85, (metrics.candidates_accepted, metrics.candidates)
+    assert lagged  # the target sampled a character in byte pieces: the draft's text lagged

@@ -183,15 +183,17 @@ class BatchDecoder:
         draft_s = time.perf_counter() - clock
 
         clock = time.perf_counter()
-        candidates = []
+        candidates, lags = [], []
         for sequence, proposal in zip(self.rows, proposals):
             context = sequence.prompt[-sequence.params.prefix - 8:] + sequence.committed
+            # TLI proposes the draft tokens' own twins; a translation starts by repeating the lag.
+            lag = sequence.draft_text.lag if sequence.shared is None and sequence.draft_text else b""
             if sequence.shared is not None:
                 found = sequence.shared.candidates(proposal, sequence.params.candidate_cap)
             else:
-                found = translate_proposal(sequence.params, self.tables, proposal, context,
-                                           sequence.draft_text.lag if sequence.draft_text else b"", sequence.metrics)
+                found = translate_proposal(sequence.params, self.tables, proposal, context, lag, sequence.metrics)
             candidates.append(found[: sequence.params.max_tokens - len(sequence.committed)])
+            lags.append(lag)
         translate_s = time.perf_counter() - clock
 
         clock = time.perf_counter()
@@ -201,8 +203,7 @@ class BatchDecoder:
         for row, sequence in enumerate(self.rows):
             new, accepted, stopped = settle_round(
                 candidates[row], choices[row], proposals[row], len(sequence.committed), sequence.params,
-                sequence.eos, sequence.metrics, sequence.policy or _PLAIN, self.tables,
-                sequence.draft_text.lag if sequence.draft_text else b"")
+                sequence.eos, sequence.metrics, sequence.policy or _PLAIN, self.tables, lags[row])
             trims.append(width - 1 - accepted)
             sequence.metrics.plain_rounds += not proposals[row] and sequence.policy is not None
             sequence.committed += new

@@ -237,9 +237,10 @@ def generate_speculative(
 
         clock = now
         metrics.plain_rounds += not proposal
+        lag = draft_side.text.lag if shared is None else b""  # TLI proposes the draft tokens' own twins
         if shared is None:
             candidates = translate_proposal(params, tables, proposal, target_prompt[-params.prefix - 8:] + committed,
-                                            draft_side.text.lag, metrics)
+                                            lag, metrics)
         else:
             candidates = shared.candidates(proposal, params.candidate_cap)
         candidates = candidates[: params.max_tokens - len(committed)]
@@ -255,7 +256,7 @@ def generate_speculative(
                 if candidates else None
             choices = speculative_choices(logits, candidates, drawn_from, params, seed, position).tolist()
         new, accepted, stopped = settle_round(candidates, choices, proposal, len(committed), params, eos, metrics,
-                                              policy, tables, draft_side.text.lag)
+                                              policy, tables, lag)
         trim(target_cache, len(candidates) - accepted)
         now = time.perf_counter()
         metrics.verify_s += now - clock
@@ -298,8 +299,8 @@ def settle_round(
     target's choice at the first mismatch is committed too; the round stops at EOS and at
     ``params.max_tokens`` (``committed`` tokens are already in). ``metrics`` and ``policy``
     learn the round; ``tables`` (draft, target) count the accepted draft tokens of a
-    cross-tokenizer pair, whose proposal starts by repeating ``lag`` (committed bytes the
-    draft had not seen).
+    cross-tokenizer pair, whose translated proposal starts by repeating ``lag`` (committed
+    bytes the draft had not seen; none under TLI, whose candidates are the draft tokens' twins).
     """
     accepted = 0
     while accepted < len(candidates) and choices[accepted] == candidates[accepted]:
