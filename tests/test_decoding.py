@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -15,7 +16,7 @@ from click.testing import CliRunner
 from polspec.cli import main
 from polspec.decoding import DecodingParams, generate
 from polspec.decoding.acceptance import AcceptanceEstimate
-from polspec.decoding.batch import BatchDecoder
+from polspec.decoding.batch import BatchDecoder, stream_batch
 from polspec.decoding.costmodel import Probe
 from polspec.decoding.draft_vocab import draft_head
 from polspec.decoding import kv, speculative
@@ -26,6 +27,7 @@ from polspec.decoding.run import encode_prompt, stream
 from polspec.decoding.speculative import DraftSide
 from polspec.decoding.translate import STRATEGIES, token_bytes
 from polspec.errors import PolspecError
+from polspec.models.files import model_config
 
 from decoding_checks import (
     SAMPLED_PROMPT, assert_same_or_float_tie, chi_square_critical, goodness_of_fit, sampled_sequences, two_token_bins,
@@ -286,6 +288,46 @@ def test_a_sliding_window_model_serves_past_its_window(request, pair, gemma3_win
     expected = generate(target, None, prompt, DecodingParams(max_tokens=MAX_TOKENS), chat=False).token_ids
     result = generate(target, draft, prompt, DecodingParams(max_tokens=MAX_TOKENS, k=3), chat=False)
     assert_same_or_float_tie(target, prompt, expected, result.token_ids)
+
+
+@pytest.mark.slow
+def test_a_draft_stops_proposing_where_its_text_reaches_its_context(gemma3, smollm2, tmp_path):
+    """SmolLM2 writes Polish in about one and a half tokens for each of Gemma-3's, so a prompt
+    and max_tokens within its context in target tokens can run its text past it: its positions
+    there are untrained. Given a context of its prompt plus max_tokens (its own config, the
+    rest of the model linked), each decoder drafts until the draft's cache would pass it, then
+    decodes plainly and says from which token, with the target-only output."""
+    prompt, max_tokens = "Wisła płynie przez Kraków i Warszawę, a potem", 16
+    context = len(encode_prompt(smollm2, prompt, chat=False)) + max_tokens
+    folder = tmp_path / "smollm2-short"
+    folder.mkdir()
+    for path in smollm2.path.iterdir():
+        (folder / path.name).symlink_to(path)
+    (folder / "config.json").unlink()
+    (folder / "config.json").write_text(json.dumps(model_config(smollm2.path) | {"max_position_embeddings": context}))
+    draft = dataclasses.replace(smollm2, path=folder)
+    params = DecodingParams(max_tokens=max_tokens)
+    expected = generate(gemma3, None, prompt, params, chat=False).token_ids
+    note = re.compile(rf"plain decoding from token \d+: the draft's text reached its context of {context} tokens")
+
+    metrics, tokens, cached = DecodeMetrics(), [], []
+    for commit in stream(gemma3, draft, prompt, params, metrics, chat=False):
+        tokens += commit.tokens
+        cached.append(commit.state.draft_cached)
+    assert_same_or_float_tie(gemma3, prompt, expected, tokens)
+    assert note.fullmatch(metrics.k_policy_note) and metrics.draft_tokens > 0
+    assert max(cached) <= context, cached
+
+    rows = {0: [], 1: []}
+    finished = {}
+    for event in stream_batch(gemma3, draft, [(prompt, params), ("Kraków to", DecodingParams(max_tokens=4))],
+                              max_batch=2, chat=False):
+        rows[event.key] += event.commit.tokens if event.commit else []
+        if event.finished:
+            finished[event.key] = event.metrics
+    assert_same_or_float_tie(gemma3, prompt, expected, rows[0])
+    assert note.fullmatch(finished[0].k_policy_note) and finished[0].draft_tokens > 0
+    assert finished[1].k_policy_note == ""  # the short row kept its room
 
 
 def test_state_space_models_are_refused():

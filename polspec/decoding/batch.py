@@ -49,7 +49,8 @@ from polspec.decoding.params import DecodingParams
 from polspec.decoding.policy import DraftLength, shared_auto_k
 from polspec.decoding.prompts import Prompt, draft_cannot_take, encode_request
 from polspec.decoding.sampling import sequence_seed, token_sampler
-from polspec.decoding.speculative import DraftText, settle_round, translate_proposal, translation_tables
+from polspec.decoding.speculative import (DraftText, settle_round, translate_proposal, translation_tables,
+                                         within_draft_context)
 from polspec.decoding.speculative_sampling import SharedDraft, shared_draft, speculative_choices
 from polspec.errors import PolspecError
 from polspec.models.loader import LoadedModel
@@ -135,7 +136,8 @@ class BatchDecoder:
         elif self.draft is not None:
             policy = self._policy(params, metrics)
         sequence = _Sequence(key, params, target_ids, metrics, policy,
-                             DraftText(draft_ids, self.tables and self.tables[0]) if policy else None)
+                             DraftText(draft_ids, self.tables and self.tables[0], context=self.draft.context_length)
+                             if policy else None)
         if policy is not None:
             sequence.head = draft_head(self.draft, params.draft_vocab)
             metrics.draft_vocab = sequence.head.size
@@ -175,10 +177,11 @@ class BatchDecoder:
             self._warm(cold)
         clock = time.perf_counter()
         remaining = [s.params.max_tokens - len(s.committed) for s in self.rows]
-        ks = [min(s.policy.k, left) if s.policy else 0 for s, left in zip(self.rows, remaining)]
+        ks = [within_draft_context(min(s.policy.k, left), s.draft_text, s.metrics, len(s.committed)) if s.policy else 0
+              for s, left in zip(self.rows, remaining)]
         floors = [_floor(s, k) for s, k in zip(self.rows, ks)]
         if auto and batch == 1:
-            ks = [auto[0].policy.most_within(ks[0], remaining[0])]
+            ks = [within_draft_context(auto[0].policy.most_within(ks[0], remaining[0]), auto[0].draft_text)]
         proposals = self._propose(ks, floors) if any(ks) else [[] for _ in self.rows]
         draft_s = time.perf_counter() - clock
 

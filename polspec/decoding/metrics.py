@@ -36,7 +36,9 @@ class DecodeMetrics:
     finish_reason: str = ""
     draft_vocab: int | None = None  # tokens the draft could propose (a pruned vocabulary); None: all
     verify: str | None = None  # how rounds were verified (exact, tli); None without a draft
-    k_policy_note: str = ""  # why a generation with a draft decoded without it (auto's cost model, a long prompt)
+    # Why a generation with a draft decoded without it (auto's cost model, a long prompt), or
+    # from which token on (the draft's context reached).
+    k_policy_note: str = ""
     seed: int | None = None  # the sampler's seed when sampling (drawn when none given): reruns it at a fixed k
 
     def note_if_never_drafted(self, k: int | str) -> None:

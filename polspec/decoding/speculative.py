@@ -90,12 +90,14 @@ class DraftText:
     """The draft's token sequence, kept in step with the committed text (the cache is the caller's).
 
     ``sequence`` is what the draft's cache should hold plus the tokens still to feed, and
-    ``fed`` how many of ``sequence`` are in the cache.
+    ``fed`` how many of ``sequence`` are in the cache; ``context`` is the draft's context
+    length (None: unbounded).
     """
 
-    def __init__(self, prompt: list[int], table: TokenBytes | None, fed: int = 0):
+    def __init__(self, prompt: list[int], table: TokenBytes | None, fed: int = 0, context: int | None = None):
         self.table = table
         self.prompt = prompt
+        self.context = context
         self.generated: list[int] = []  # draft ids of the committed text
         self.lag = b""  # committed bytes not yet given to the draft (an incomplete character)
         self.sequence = list(prompt)
@@ -106,6 +108,14 @@ class DraftText:
         """Tokens of the text the draft has not been fed beyond the next proposal's first
         position: the prompt before the first proposal, the committed text since the last."""
         return len(self.sequence) - 1 - self.fed
+
+    def room(self) -> int | None:
+        """The most tokens the next proposal may hold with the draft's cache inside its context
+        (None: no bound). The prompt check counts target tokens, and the draft may take two for
+        one, so a long generation can reach the draft's end; past it its positions are untrained
+        and its proposals worthless."""
+        # A proposal of n tokens leaves the sequence and n - 1 of them in the cache.
+        return None if self.context is None else max(0, self.context + 1 - len(self.sequence))
 
     def resync(self, committed: list[int], committed_bytes: bytes) -> int:
         """Follow the target: re-tokenize the new text; returns how many cached entries stay valid.
@@ -132,7 +142,7 @@ class DraftSide:
         self.cache = new_cache(draft.model, draft.entry.alias)
         # The prompt is fed on the first proposal, not here: when the auto draft length starts
         # with plain target steps, a draft that never proposes costs nothing.
-        self.text = DraftText(prompt, table)
+        self.text = DraftText(prompt, table, context=draft.context_length)
         self.probabilities: list[mx.array] = []  # what the last proposal was drawn from, under a draw
 
     def propose(self, k: int, policy: DraftLength, draw: DraftDraw | None = None, most: int | None = None) -> list[int]:
@@ -228,10 +238,12 @@ def generate_speculative(
     while len(committed) < params.max_tokens:
         clock = time.perf_counter()
         remaining = params.max_tokens - len(committed)
-        k = policy.k_within(remaining, draft_side.text.unfed)
+        k = within_draft_context(policy.k_within(remaining, draft_side.text.unfed), draft_side.text, metrics,
+                                 len(committed))
         position = len(committed)
         draw = shared and (lambda logits, step: shared.sample(logits, params, seed, position, step))
-        proposal = draft_side.propose(k, policy, draw, policy.most_within(k, remaining))
+        proposal = draft_side.propose(k, policy, draw, within_draft_context(policy.most_within(k, remaining),
+                                                                            draft_side.text))
         now = time.perf_counter()
         metrics.draft_s += now - clock
 
@@ -279,6 +291,18 @@ def generate_speculative(
             break
     metrics.decode_s = metrics.draft_s + metrics.translate_s + metrics.verify_s + metrics.resync_s
     metrics.peak_memory_gb = mx.get_peak_memory() / 1e9
+
+
+def within_draft_context(k: int, text: DraftText, metrics: DecodeMetrics | None = None, position: int = 0) -> int:
+    """``k`` cut to the room the draft's context leaves (:meth:`DraftText.room`). Where that
+    leaves no room, decoding goes on plainly, and ``metrics`` (given) notes from which token."""
+    room = text.room()
+    if room is None or k <= room:
+        return k
+    if room == 0 and metrics is not None and not metrics.k_policy_note:
+        metrics.k_policy_note = (f"plain decoding from token {position}: the draft's text reached its context of "
+                                 f"{text.context} tokens")
+    return room
 
 
 def settle_round(
