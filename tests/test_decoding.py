@@ -291,12 +291,13 @@ def test_a_sliding_window_model_serves_past_its_window(request, pair, gemma3_win
 
 
 @pytest.mark.slow
-def test_a_draft_stops_proposing_where_its_text_reaches_its_context(gemma3, smollm2, tmp_path):
+def test_a_draft_stops_proposing_where_its_text_reaches_its_context(gemma3, smollm2, tmp_path, monkeypatch):
     """SmolLM2 writes Polish in about one and a half tokens for each of Gemma-3's, so a prompt
     and max_tokens within its context in target tokens can run its text past it: its positions
     there are untrained. Given a context of its prompt plus max_tokens (its own config, the
     rest of the model linked), each decoder drafts until the draft's cache would pass it, then
-    decodes plainly and says from which token, with the target-only output."""
+    decodes plainly and says from which token, with the target-only output; in a batch the
+    row beside it, with room left, goes on drafting while the draft is fed nothing more of it."""
     prompt, max_tokens = "Wisła płynie przez Kraków i Warszawę, a potem", 16
     context = len(encode_prompt(smollm2, prompt, chat=False)) + max_tokens
     folder = tmp_path / "smollm2-short"
@@ -308,26 +309,41 @@ def test_a_draft_stops_proposing_where_its_text_reaches_its_context(gemma3, smol
     draft = dataclasses.replace(smollm2, path=folder)
     params = DecodingParams(max_tokens=max_tokens)
     expected = generate(gemma3, None, prompt, params, chat=False).token_ids
-    note = re.compile(rf"plain decoding from token \d+: the draft's text reached its context of {context} tokens")
+    note = re.compile(rf"plain decoding from token (\d+): the draft's text reached its context of {context} tokens")
+    fed = []  # the draft cache's entries of text after each proposal (the largest row's in a batch)
+    propose, propose_rows = DraftSide.propose, BatchDecoder._propose
 
-    metrics, tokens, cached = DecodeMetrics(), [], []
+    def proposed(side, *args):
+        ids = propose(side, *args)
+        fed.append(kv.cached_length(side.cache))
+        return ids
+
+    def proposed_rows(decoder, *args):
+        proposals = propose_rows(decoder, *args)
+        fed.append(max(row.draft_text.fed for row in decoder.rows))
+        return proposals
+
+    monkeypatch.setattr(DraftSide, "propose", proposed)
+    monkeypatch.setattr(BatchDecoder, "_propose", proposed_rows)
+
+    metrics, tokens = DecodeMetrics(), []
     for commit in stream(gemma3, draft, prompt, params, metrics, chat=False):
         tokens += commit.tokens
-        cached.append(commit.state.draft_cached)
     assert_same_or_float_tie(gemma3, prompt, expected, tokens)
     assert note.fullmatch(metrics.k_policy_note) and metrics.draft_tokens > 0
-    assert max(cached) <= context, cached
+    assert max(fed) <= context and fed.count(max(fed)) > 1, fed  # it reached the end, and stayed there
 
-    rows = {0: [], 1: []}
-    finished = {}
-    for event in stream_batch(gemma3, draft, [(prompt, params), ("Kraków to", DecodingParams(max_tokens=4))],
-                              max_batch=2, chat=False):
+    fed.clear()
+    rows, finished = {0: [], 1: []}, {}
+    for event in stream_batch(gemma3, draft, [(prompt, params), ("Kraków to", params)], max_batch=2, chat=False):
         rows[event.key] += event.commit.tokens if event.commit else []
         if event.finished:
             finished[event.key] = event.metrics
     assert_same_or_float_tie(gemma3, prompt, expected, rows[0])
     assert note.fullmatch(finished[0].k_policy_note) and finished[0].draft_tokens > 0
-    assert finished[1].k_policy_note == ""  # the short row kept its room
+    assert max(fed) <= context and fed.count(max(fed)) > 1, fed
+    # The short row had room to its end, and was still drafting when the long one ran out.
+    assert finished[1].k_policy_note == "" and finished[1].rounds > int(note.fullmatch(finished[0].k_policy_note)[1])
 
 
 def test_state_space_models_are_refused():

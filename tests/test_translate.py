@@ -99,7 +99,8 @@ def test_draft_tokens_that_repeat_the_lag_count_as_accepted_with_the_rest(tables
     """The target committed part of an emoji (the draft's lag); the draft, which has not seen
     it, proposes the whole emoji and the words after it, and the target accepts every
     candidate: every draft token is accepted, those that repeat the lag too (they were counted
-    against the accepted text alone, so the proposal's last tokens fell out of the count).
+    against the accepted text alone, so the proposal's last tokens fell out of the count). Only
+    ``aligned`` leaves the lag out of its candidates; where they repeat it, it counts once.
     SmolLM2 drafts for itself as another family, as the twin pair of test_lossless_inputs
     does: it writes " 😀" in two tokens, the first ending inside the emoji, and "😀" alone in three."""
     draft = target = tables["smollm2-135m"]
@@ -108,14 +109,18 @@ def test_draft_tokens_that_repeat_the_lag_count_as_accepted_with_the_rest(tables
     lag = text[len(complete_utf8(text)):]
     assert lag == rest[:3]
     proposal = draft.encode(rest)
-    params = DecodingParams(k=len(proposal))
     candidates = translate_draft_to_target("aligned", draft, target, proposal, committed, lag=lag).candidates
     assert target.text(candidates) == rest[3:]
-    for accepted, counted in ((len(candidates), len(proposal)), (0, 0)):
-        metrics = DecodeMetrics()
-        choices = candidates[:accepted] + [target.tokenizer.eos_token_id]
-        settle_round(candidates, choices, proposal, 0, params, set(), metrics, DraftLength(params), (draft, target), lag)
-        assert (metrics.candidates_accepted, metrics.draft_tokens_accepted) == (accepted, counted)
+    # naive re-encodes the whole proposal, the lag with it: its candidates repeat the lag
+    # themselves, and the draft tokens inside "😀 Polska" are the six of its first six.
+    naive = translate_draft_to_target("naive", draft, target, proposal, committed, lag=lag).candidates
+    assert target.text(naive) == rest and target.text(naive[:6]) == "😀 Polska".encode()
+    for strategy, found, accepted, counted in [("aligned", candidates, len(candidates), len(proposal)),
+                                                ("aligned", candidates, 0, 0), ("naive", naive, 6, 6)]:
+        params, metrics = DecodingParams(k=len(proposal), strategy=strategy), DecodeMetrics()
+        choices = found[:accepted] + [target.tokenizer.eos_token_id]
+        settle_round(found, choices, proposal, 0, params, set(), metrics, DraftLength(params), (draft, target), lag)
+        assert (metrics.candidates_accepted, metrics.draft_tokens_accepted) == (accepted, counted), strategy
 
 
 @pytest.mark.parametrize("target", ["qwen2.5-coder-1.5b", "tok:mistral-32k"])

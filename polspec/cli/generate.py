@@ -102,5 +102,5 @@ def generate(ctx: click.Context, prompt: str, target: str, draft: str, raw: bool
     for commit in stream(target_model, draft_model, prompt, params, metrics, chat):
         printer.add(commit.tokens, commit.drafted)
     click.echo()
-    if metrics.k_policy_note:  # the draft was loaded but not used: say why
+    if metrics.k_policy_note:  # the draft was loaded but not used, or not to the end: say why
         click.echo(f"note: {metrics.k_policy_note}", err=True)

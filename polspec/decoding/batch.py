@@ -89,6 +89,12 @@ class _Sequence:
     draft_cached: int = 0  # entries of this row in the draft cache, valid or not
     draft_warm: bool = False  # its draft prompt is cached: it has proposed at least once
 
+    @property
+    def past_draft_context(self) -> bool:
+        """Its text leaves the draft no room (:meth:`DraftText.room`): from here it decodes plainly
+        and its draft row is fed nothing more."""
+        return self.draft_text is not None and self.draft_text.room() == 0
+
 
 class BatchDecoder:
     """A long-lived decoder that sequences join and leave between rounds.
@@ -162,7 +168,7 @@ class BatchDecoder:
         if not self.rows:
             return []
         batch = len(self.rows)
-        auto = [s for s in self.rows if s.policy is not None and s.policy.mode == "auto"]
+        auto = [s for s in self.rows if s.policy is not None and s.policy.mode == "auto" and not s.past_draft_context]
         if auto and batch > 1:
             k = self._shared_k(auto, batch)
             for sequence in auto:
@@ -172,7 +178,8 @@ class BatchDecoder:
             sequence.policy.k = sequence.policy.k_within(sequence.params.max_tokens - len(sequence.committed),
                                                          sequence.draft_text.unfed)
 
-        cold = [row for row, s in enumerate(self.rows) if s.policy and s.policy.k and not s.draft_warm]
+        cold = [row for row, s in enumerate(self.rows)
+                if s.policy and s.policy.k and not s.draft_warm and not s.past_draft_context]
         if cold:
             self._warm(cold)
         clock = time.perf_counter()
@@ -186,17 +193,15 @@ class BatchDecoder:
         draft_s = time.perf_counter() - clock
 
         clock = time.perf_counter()
-        candidates, lags = [], []
+        candidates = []
         for sequence, proposal in zip(self.rows, proposals):
             context = sequence.prompt[-sequence.params.prefix - 8:] + sequence.committed
-            # TLI proposes the draft tokens' own twins; a translation starts by repeating the lag.
-            lag = sequence.draft_text.lag if sequence.shared is None and sequence.draft_text else b""
             if sequence.shared is not None:
                 found = sequence.shared.candidates(proposal, sequence.params.candidate_cap)
             else:
-                found = translate_proposal(sequence.params, self.tables, proposal, context, lag, sequence.metrics)
+                found = translate_proposal(sequence.params, self.tables, proposal, context,
+                                           sequence.draft_text.lag if sequence.draft_text else b"", sequence.metrics)
             candidates.append(found[: sequence.params.max_tokens - len(sequence.committed)])
-            lags.append(lag)
         translate_s = time.perf_counter() - clock
 
         clock = time.perf_counter()
@@ -206,7 +211,8 @@ class BatchDecoder:
         for row, sequence in enumerate(self.rows):
             new, accepted, stopped = settle_round(
                 candidates[row], choices[row], proposals[row], len(sequence.committed), sequence.params,
-                sequence.eos, sequence.metrics, sequence.policy or _PLAIN, self.tables, lags[row])
+                sequence.eos, sequence.metrics, sequence.policy or _PLAIN, self.tables,
+                sequence.draft_text.lag if sequence.draft_text else b"")
             trims.append(width - 1 - accepted)
             sequence.metrics.plain_rounds += not proposals[row] and sequence.policy is not None
             sequence.committed += new
@@ -320,10 +326,11 @@ class BatchDecoder:
 
         The first step feeds each row's text committed since its last proposal (right-padded to
         the longest); rows with k = 0 catch up in it too, at little cost, and propose nothing.
-        A row that has not proposed yet (or is target-only) feeds one padding token, which
-        :meth:`_resync` cuts.
+        A row that has not proposed yet, is target-only or is past the draft's context feeds one
+        padding token, which :meth:`_resync` cuts.
         """
-        feeds = [s.draft_text.sequence[s.draft_text.fed:] if s.draft_warm else [0] for s in self.rows]
+        fed = [s.draft_warm and not s.past_draft_context for s in self.rows]
+        feeds = [s.draft_text.sequence[s.draft_text.fed:] if feeding else [0] for s, feeding in zip(self.rows, fed)]
         width = max(map(len, feeds))
         inputs = mx.array([feed + [0] * (width - len(feed)) for feed in feeds])
         heads = self._heads()
@@ -364,7 +371,7 @@ class BatchDecoder:
             if row in stops:
                 low = next((i for i, stop in enumerate(stops[row]) if stop), None)
                 proposal = proposal if low is None else proposal[: low + 1]
-            if sequence.draft_warm:
+            if fed[row]:
                 text.fed = len(text.sequence) + max(len(proposal) - 1, 0)
                 text.sequence = text.sequence + proposal
             sequence.draft_cached += len(feeds[row]) + steps - 1

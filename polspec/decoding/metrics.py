@@ -24,7 +24,7 @@ class DecodeMetrics:
     candidates_accepted: int = 0
     boundary_misses: int = 0
     rejections: int = 0  # rounds that ended on a rejected candidate (for the acceptance estimate)
-    plain_rounds: int = 0  # rounds the auto draft length spent as plain target steps (k = 0)
+    plain_rounds: int = 0  # rounds spent as plain target steps (k = 0: auto's choice, or the draft's context reached)
     prefill_s: float = 0.0  # the target's prompt; the draft's is fed on its first proposal (in draft_s)
     draft_s: float = 0.0
     translate_s: float = 0.0

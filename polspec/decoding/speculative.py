@@ -249,10 +249,9 @@ def generate_speculative(
 
         clock = now
         metrics.plain_rounds += not proposal
-        lag = draft_side.text.lag if shared is None else b""  # TLI proposes the draft tokens' own twins
         if shared is None:
             candidates = translate_proposal(params, tables, proposal, target_prompt[-params.prefix - 8:] + committed,
-                                            lag, metrics)
+                                            draft_side.text.lag, metrics)
         else:
             candidates = shared.candidates(proposal, params.candidate_cap)
         candidates = candidates[: params.max_tokens - len(committed)]
@@ -268,7 +267,7 @@ def generate_speculative(
                 if candidates else None
             choices = speculative_choices(logits, candidates, drawn_from, params, seed, position).tolist()
         new, accepted, stopped = settle_round(candidates, choices, proposal, len(committed), params, eos, metrics,
-                                              policy, tables, lag)
+                                              policy, tables, draft_side.text.lag)
         trim(target_cache, len(candidates) - accepted)
         now = time.perf_counter()
         metrics.verify_s += now - clock
@@ -323,8 +322,9 @@ def settle_round(
     target's choice at the first mismatch is committed too; the round stops at EOS and at
     ``params.max_tokens`` (``committed`` tokens are already in). ``metrics`` and ``policy``
     learn the round; ``tables`` (draft, target) count the accepted draft tokens of a
-    cross-tokenizer pair, whose translated proposal starts by repeating ``lag`` (committed
-    bytes the draft had not seen; none under TLI, whose candidates are the draft tokens' twins).
+    cross-tokenizer pair, whose proposal starts by repeating ``lag``, the committed bytes the
+    draft had not seen (an incomplete character): ``aligned`` leaves them out of its candidates,
+    so they count as accepted with the text after them; the other strategies and TLI keep them.
     """
     accepted = 0
     while accepted < len(candidates) and choices[accepted] == candidates[accepted]:
@@ -339,8 +339,9 @@ def settle_round(
     metrics.candidates += len(candidates)
     metrics.rejections += accepted < len(candidates)
     metrics.candidates_accepted += inside
+    repeated = lag if params.strategy == "aligned" and params.verification == "exact" else b""
     metrics.draft_tokens_accepted += (
-        _draft_tokens_inside(tables[0], proposal, tables[1], new[:inside], lag) if tables is not None else inside)
+        _draft_tokens_inside(tables[0], proposal, tables[1], new[:inside], repeated) if tables is not None else inside)
     policy.observe(accepted, len(candidates), len(proposal))
     return new, accepted, stop is not None
 
