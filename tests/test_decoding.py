@@ -298,7 +298,7 @@ def test_a_draft_stops_proposing_where_its_text_reaches_its_context(gemma3, smol
     rest of the model linked), each decoder drafts until the draft's cache would pass it, then
     decodes plainly and says from which token, with the target-only output; in a batch the
     row beside it, with room left, goes on drafting while the draft is fed nothing more of it."""
-    prompt, max_tokens = "Wisła płynie przez Kraków i Warszawę, a potem", 16
+    prompt, max_tokens = "Wisła płynie przez Kraków i Warszawę, a potem", 12
     context = len(encode_prompt(smollm2, prompt, chat=False)) + max_tokens
     folder = tmp_path / "smollm2-short"
     folder.mkdir()
