@@ -306,6 +306,8 @@ def test_auto_falls_back_to_plain_decoding_when_no_k_can_pay(gemma3, smollm2, ho
     baseline = generate(gemma3, None, "Kraków jest", DecodingParams(max_tokens=4))
     assert result.token_ids == baseline.token_ids
     assert result.metrics.draft_tokens == 0 and "plain decoding" in result.metrics.k_policy_note
+    assert result.metrics.plain_rounds == result.metrics.rounds == 4  # a report prices its rounds as plain steps
+    assert baseline.metrics.plain_rounds == 0
     # The command line says why the draft it loaded went unused.
     cli = CliRunner().invoke(main, ["generate", "Kraków jest", "--draft", "smollm2-135m", "--k", "auto",
                                     "--max-tokens", "2"])

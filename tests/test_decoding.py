@@ -411,4 +411,5 @@ def test_a_prompt_longer_than_the_draft_takes_decodes_target_only_and_says_why(g
     decoder.add("short", prompt, DecodingParams(max_tokens=4, k=2), chat=False)
     events = {event.key: event for event in decoder.step()}
     assert events["long"].metrics.draft_tokens == 0 and "takes at most 8192" in events["long"].metrics.k_policy_note
+    assert events["long"].metrics.plain_rounds == events["long"].metrics.rounds == 1  # a report prices it plain
     assert events["short"].metrics.draft_tokens > 0 and events["short"].metrics.k_policy_note == ""

@@ -19,9 +19,12 @@ from polspec.models.loader import LoadedModel
 
 
 def generate_autoregressive(
-    target: LoadedModel, prompt: list[int], params: DecodingParams, metrics: DecodeMetrics
+    target: LoadedModel, prompt: list[int], params: DecodingParams, metrics: DecodeMetrics, *,
+    without_its_draft: bool = False,
 ) -> Iterator[Commit]:
     """Yield the target's tokens one at a time until EOS or ``params.max_tokens``.
+    ``without_its_draft``: a speculative request decoded target-only (a prompt too long for
+    its draft, a machine where no k pays), whose steps count as plain rounds.
 
     The last prompt token is fed with the first decode step, exactly as the speculative
     decoder does, and ``decode_s`` sums the steps alone, as the speculative decoder sums its
@@ -44,6 +47,7 @@ def generate_autoregressive(
         logits = target.model(mx.array([[token]]), cache=cache)[0, -1]
         token = sample(logits).item()
         metrics.rounds += 1
+        metrics.plain_rounds += without_its_draft
         metrics.decode_s += time.perf_counter() - start
         if token in eos:
             metrics.finish_reason = "stop"

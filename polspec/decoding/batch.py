@@ -214,7 +214,7 @@ class BatchDecoder:
                 sequence.eos, sequence.metrics, sequence.policy or _PLAIN, self.tables,
                 sequence.draft_text.lag if sequence.draft_text else b"")
             trims.append(width - 1 - accepted)
-            sequence.metrics.plain_rounds += not proposals[row] and sequence.policy is not None
+            sequence.metrics.plain_rounds += not proposals[row] and self.draft is not None
             sequence.committed += new
             sequence.pending = new[-1] if new else sequence.pending
             sequence.metrics.generated_tokens = len(sequence.committed)

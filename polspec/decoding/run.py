@@ -45,6 +45,7 @@ def stream(
     in as decoding goes.
     """
     target_ids, draft_ids = encode_request(target, draft, prompt, params, chat)
+    speculative = draft is not None
     if draft is not None and (reason := draft_cannot_take(draft, draft_ids, params)):
         metrics.k_policy_note = reason
         draft = None
@@ -55,7 +56,7 @@ def stream(
             metrics.k_policy_note = "auto: plain decoding, no k can pay on this machine even with a perfect draft"
             draft = None
     if draft is None:
-        return generate_autoregressive(target, target_ids, params, metrics)
+        return generate_autoregressive(target, target_ids, params, metrics, without_its_draft=speculative)
     return generate_speculative(target, draft, target_ids, draft_ids, params, metrics, policy)
 
 
