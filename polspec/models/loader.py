@@ -10,6 +10,7 @@ import logging
 import re
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 from polspec import backend
@@ -38,9 +39,10 @@ class LoadedModel:
     # Its output layer as a draft, per pruned vocabulary size (polspec.decoding.draft_vocab).
     draft_heads: dict = field(default_factory=dict, repr=False, compare=False)
 
-    @property
+    @cached_property
     def context_length(self) -> int | None:
-        """The longest sequence the model was trained for, when its config says."""
+        """The longest sequence the model was trained for, when its config says (read once: each
+        request checks it, and a draft's text is kept within it)."""
         return context_length(self.path)
 
 
