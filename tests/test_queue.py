@@ -26,13 +26,14 @@ from sqlalchemy import select
 
 from polspec.cli import main
 from polspec.decoding import DecodingParams, generate
-from polspec.errors import PolspecError
+from polspec.errors import DatabaseFailure, PolspecError
 from polspec.jobs.control import _requeue_abandoned, recover
 from polspec.jobs.queue import JOB_FUNCTION, job_id, queue_name
 from polspec.report.summary import Window, joules_per_token
 from polspec.store.engine import make_engine, session_scope
 from polspec.processes import this_host_and_boot
 from polspec.store.items import Worker, claim_item, database_id, fail_item
+from polspec.store.queries import work_progress
 from polspec.store.migrate import upgrade
 from polspec.store.schema import EnergyWindow, Item, Result
 from polspec.worker import context
@@ -709,6 +710,39 @@ def test_a_second_delivery_of_an_item_decoding_in_the_batch_is_dropped(env):
     stored = results_by_key(env)
     assert [(item.status, item.attempts, result is not None) for item, result in stored.values()] == \
         [("done", 1, True)] * 2
+
+
+@pytest.mark.slow
+def test_a_failing_job_end_callback_fails_no_item_of_the_batch(env, tmp_path):
+    """The worker's progress bar redraws from the database after every item, inside a batch's
+    loop; when that read failed, the failure escaped the loop and every item still decoding
+    was failed back to RQ (its work lost, a retry spent). What the bar reads
+    (:func:`work_progress`) follows the items as they end."""
+    rows = [{"id": "short", "prompt": PROMPTS[0], "max_tokens": 2}, {"id": "long", "prompt": PROMPTS[1], "max_tokens": 8}]
+    source = tmp_path / "prompts.jsonl"
+    source.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
+    code, output = cli(env, "enqueue", "generate", "--input", str(source), "--target", "smollm2-135m", "--raw")
+    assert code == 0, output
+    engine = make_engine(env["POLSPEC_DB_URL"])
+    seen = [work_progress(engine, set())]
+
+    def job_ended() -> None:
+        seen.append(work_progress(engine, seen[0].batches))
+        if len(seen) == 2:
+            raise DatabaseFailure("the database went away for a moment")
+
+    with resident_worker_models():
+        assert worker_run.run_worker(worker_run.WorkerOptions(burst=True, batch=2, log_level="WARNING"),
+                                     on_job_end=job_ended, db_url=env["POLSPEC_DB_URL"],
+                                     redis_url=env["POLSPEC_REDIS_URL"])
+    stored = results_by_key(env)
+    assert {key: (item.status, item.attempts) for key, (item, _) in stored.items()} == \
+        {"short": ("done", 1), "long": ("done", 1)}
+    assert [progress.counts for progress in seen] == [{"queued": 2}, {"done": 1, "running": 1}, {"done": 2}]
+    batch = stored["short"][0].batch_id
+    assert seen[0].batches == {batch} and work_progress(engine, set()).batches == set()  # done: watched no more
+    assert seen[-1].tokens == {batch: sum(result.generated_tokens for _, result in stored.values())} == {batch: 10}
+    engine.dispose()
 
 
 @pytest.mark.slow

@@ -3,13 +3,15 @@ one over the batches in the database that the worker redraws after each job."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 
 import click
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from polspec.errors import DatabaseFailure
 from polspec.models.fetch import ProgressFn, progress_lines
 
 # Off a terminal, the longest a step goes without a line saying how far it is.
@@ -42,35 +44,53 @@ def progress_bar(title: str) -> Iterator[ProgressFn]:
 def batch_bar() -> Iterator[Callable[[], None]]:
     """Yield a callback that redraws one bar over the unfinished batches, from the database.
 
-    The bar covers the batches that were queued or running when it started. Off a terminal
-    nothing is drawn.
+    The bar covers the batches unfinished when it started and those enqueued since (a waiting
+    worker is often started first); its speed is the tokens their results gained since it
+    started over the time since, whichever workers decoded them. A worker calls it after every
+    item, inside a batch's decoding loop, so it redraws at most once a second and at most a
+    twentieth of the time; the last state is drawn as the run ends. Off a terminal nothing is
+    drawn.
     """
     from polspec.store.engine import make_engine
-    from polspec.store.items import UNFINISHED
-    from polspec.store.queries import batch_progress
+    from polspec.store.queries import work_progress
 
     console = Console(stderr=True)
     if not console.is_terminal:
         yield lambda: None
         return
     engine = make_engine()
-    watched = [batch.id for batch in batch_progress(engine) if batch.status in UNFINISHED]
+    began = time.monotonic()
+    seen = work_progress(engine, set())
+    tokens_before = dict(seen.tokens)  # a batch first seen later started from what it held then
     columns = (TextColumn("[bold]items[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
                TimeElapsedColumn())
     with Progress(*columns, console=console) as progress:
         task = progress.add_task("", total=None)
+        due = 0.0
+
+        def draw() -> None:
+            nonlocal seen, due
+            clock = time.monotonic()
+            seen = work_progress(engine, seen.batches)
+            for batch in seen.batches:
+                tokens_before.setdefault(batch, seen.tokens.get(batch, 0))
+            counts = seen.counts
+            failed, cancelled = counts.get("failed", 0), counts.get("cancelled", 0)
+            gained = sum(seen.tokens.values()) - sum(tokens_before[batch] for batch in seen.tokens)
+            elapsed = time.monotonic() - began
+            description = (f"{failed} failed " if failed else "") + (f"{cancelled} cancelled " if cancelled else "") \
+                + (f"{gained / elapsed:.1f} tok/s" if gained > 0 else "")
+            # Cancelled items leave the bar's total: it shows the items that will run.
+            progress.update(task, total=sum(counts.values()) - cancelled,
+                            completed=counts.get("done", 0) + failed, description=description)
+            due = time.monotonic() + max(1.0, 20 * (time.monotonic() - clock))
 
         def redraw() -> None:
-            batches = [batch for batch in batch_progress(engine) if batch.id in watched]
-            failed = sum(batch.counts.get("failed", 0) for batch in batches)
-            cancelled = sum(batch.counts.get("cancelled", 0) for batch in batches)
-            speed = [batch.tokens_per_s for batch in batches if batch.tokens_per_s]
-            description = (f"{failed} failed " if failed else "") + (f"{cancelled} cancelled " if cancelled else "") \
-                + (f"{speed[0]:.1f} tok/s" if speed else "")
-            # Cancelled items leave the bar's total: it shows the items that will run.
-            progress.update(task, total=sum(b.total for b in batches) - cancelled,
-                            completed=sum(b.completed for b in batches), description=description)
+            if time.monotonic() >= due:
+                draw()
 
-        redraw()
+        draw()
         yield redraw
+        with suppress(DatabaseFailure):  # the run is over: a bar that cannot redraw is no error
+            draw()
     engine.dispose()

@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 
 from polspec.errors import DatabaseFailure, PolspecError
 from polspec.store.engine import session_scope
-from polspec.store.items import item_spec
+from polspec.store.items import UNFINISHED, item_spec
 from polspec.store.schema import Batch, Cell, EnergyWindow, Item, Result, Status
 
 
@@ -133,6 +133,30 @@ def batch_progress(engine: Engine, batch_id: int | None = None) -> list[BatchPro
             batches[batch].busy_s = busy_seconds(sorted(
                 (decoding_start(run.started_at, run.finished_at, run.waited_s), run.finished_at) for run in spans))
         return list(batches.values())
+
+
+@dataclass
+class WorkProgress:
+    """Some batches' items per status and the tokens each batch's results hold: what a
+    worker's progress bar shows (see :func:`work_progress`)."""
+
+    batches: set[int]
+    counts: dict[str, int]
+    tokens: dict[int, int]
+
+
+def work_progress(engine: Engine, watched: set[int]) -> WorkProgress:
+    """The batches ``watched`` and every unfinished one, in three aggregate queries: a worker
+    redraws this after each item, so it must not grow with the items already done, as
+    :func:`batch_progress`'s pace does (a sweep's every run is read)."""
+    with session_scope(engine, reads_only=True) as session:
+        ids = watched | set(session.scalars(select(Batch.id).where(Batch.status.in_(UNFINISHED))))
+        counts = {status: count for status, count in session.execute(
+            select(Item.status, func.count()).where(Item.batch_id.in_(ids)).group_by(Item.status))}
+        tokens = {batch: int(total or 0) for batch, total in session.execute(
+            select(Item.batch_id, func.sum(Result.generated_tokens)).join(Result, Result.item_id == Item.id)
+            .where(Item.batch_id.in_(ids)).group_by(Item.batch_id))}
+    return WorkProgress(ids, counts, tokens)
 
 
 def seconds_before_decoding() -> ColumnElement[float]:

@@ -200,8 +200,14 @@ class PolspecWorker(SimpleWorker):
                     len(self.active))
 
     def job_ended(self) -> None:
-        if self.on_job_end is not None:
+        if self.on_job_end is None:
+            return
+        try:
             self.on_job_end()
+        except Exception as error:  # noqa: BLE001
+            # A progress bar is a display: its database read failing must not fail the items
+            # still decoding in a batch (each would lose its work and spend one of its retries).
+            log.debug("the job-end callback failed: %s", error)
 
     def _batching(self, job: Job):
         """The job's item pairing and the batch size it decodes at (None: chosen by the batch);
