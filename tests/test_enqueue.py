@@ -25,9 +25,10 @@ from polspec.decoding import DecodingParams
 from polspec.decoding.prompts import encode_request
 from polspec.errors import PolspecError
 from polspec.jobs.control import cancel, retry
-from polspec.jobs.queue import JOB_TIMEOUT_BASE_S, JOB_TIMEOUT_PER_TOKEN_S, fetch_jobs, job_id
+from polspec.jobs import enqueue as enqueue_module
+from polspec.jobs.queue import JOB_TIMEOUT_BASE_S, JOB_TIMEOUT_PER_TOKEN_S, enqueue_items, fetch_jobs, job_id
 from polspec.store.engine import make_engine, session_scope
-from polspec.store.items import database_id
+from polspec.store.items import Worker, claim_item, database_id
 from polspec.store.migrate import upgrade
 from polspec.store.schema import Batch, Item, Status
 from helpers import wait_for
@@ -424,6 +425,34 @@ def test_redis_failing_while_enqueueing_leaves_the_database_as_it_was(env, tmp_p
         assert [(batch.name, batch.status) for batch in session.scalars(select(Batch))] == [("nightly", "done")]
         assert session.scalar(select(func.count()).select_from(Item)) == 3
     engine.dispose()
+
+
+def test_an_undone_enqueue_into_a_finished_batch_settles_it_by_the_items_it_keeps(env, tmp_path, monkeypatch):
+    """A worker claimed one of the new items, marking the batch running, before Redis failed on a
+    later chunk of jobs: the undo deleted the new items but left the batch running, for good
+    (no item was left to finish it), where it had been done."""
+    source = write_jsonl(tmp_path / "p.jsonl", GOOD)
+    assert invoke(env, "--input", str(source), "--name", "nightly", "--target", "smollm2-135m")[0] == 0
+    jobs_before = set(redis.Redis.from_url(env["POLSPEC_REDIS_URL"]).keys("rq:job:*"))
+    engine = make_engine(env["POLSPEC_DB_URL"])
+    with session_scope(engine) as session:  # as a worker would have left it
+        session.execute(Item.__table__.update().values(status="done"))
+        session.scalar(select(Batch)).status = "done"
+
+    def enqueue_then_fail(connection, name, db_id, items):
+        enqueue_items(connection, name, db_id, items)  # the first chunk's jobs went in,
+        claim_item(engine, items[0][0], Worker("elsewhere", 1))  # a worker took one of them,
+        raise redis.ResponseError("OOM command not allowed when used memory > 'maxmemory'.")  # the next failed
+
+    monkeypatch.setattr(enqueue_module, "enqueue_items", enqueue_then_fail)
+    more = write_jsonl(tmp_path / "more.jsonl", [*GOOD, {"id": "d", "prompt": "Kto napisał Lalkę?"}])
+    code, output = invoke(env, "--input", str(more), "--name", "nightly", "--target", "smollm2-135m")
+    assert code == 1 and output.endswith("; nothing was added to the database\n"), output
+    with session_scope(engine) as session:
+        assert [(batch.name, batch.status) for batch in session.scalars(select(Batch))] == [("nightly", "done")]
+        assert session.scalar(select(func.count()).select_from(Item)) == 3
+    engine.dispose()
+    assert set(redis.Redis.from_url(env["POLSPEC_REDIS_URL"]).keys("rq:job:*")) == jobs_before
 
 
 def test_redis_failing_part_way_through_a_large_batch_leaves_no_jobs_behind(env, tmp_path, redis_server):

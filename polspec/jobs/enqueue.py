@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis
-from sqlalchemy import Engine, delete, func, insert, select, update
+from sqlalchemy import Engine, delete, func, insert, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -60,22 +60,22 @@ def enqueue_generate(spec: GenerateSpec, items: list[ItemInput], name: str | Non
     queue_url = queue_url or redis_url()
     connection = connect(queue_url)
     with upgraded_database(db_url) as engine, _named_once(name):
-        batch_id, before, new_items, existing = _write_batch(engine, spec, items, name)
-        _enqueue_or_undo(engine, connection, queue_url, queue_name(spec.target), new_items, batch_id, before)
+        batch_id, created, new_items, existing = _write_batch(engine, spec, items, name)
+        _enqueue_or_undo(engine, connection, queue_url, queue_name(spec.target), new_items, batch_id, created)
         return Enqueued(batch_id, name, queue_name(spec.target), len(new_items), existing)
 
 
 def _write_batch(engine: Engine, spec: GenerateSpec, items: list[ItemInput],
-                 name: str | None) -> tuple[int, str | None, list[tuple[int, int]], int]:
-    """The batch's id, its status before (None: created here), its new items as (id,
-    max_tokens), and how many of ``items`` it had already."""
+                 name: str | None) -> tuple[int, bool, list[tuple[int, int]], int]:
+    """The batch's id, whether it was created here, its new items as (id, max_tokens), and how
+    many of ``items`` it had already."""
     wanted = spec.as_dict()
     with session_scope(engine) as session:
         # Locked, as a worker's finish and a cancel lock it (PostgreSQL; SQLite's write lock,
         # taken at BEGIN, holds every writer off): read unlocked, a batch whose last item
         # finished meanwhile read done with the items added here queued.
         batch = session.scalar(select(Batch).where(Batch.name == name).with_for_update()) if name else None
-        before = batch.status if batch is not None else None
+        created = batch is None
         if batch is None:
             batch = Batch(kind="generate", name=name, spec=wanted)
             session.add(batch)
@@ -107,7 +107,7 @@ def _write_batch(engine: Engine, spec: GenerateSpec, items: list[ItemInput],
         session.flush()
         if rows and batch.status not in UNFINISHED:
             batch.status = Status.QUEUED.value
-        return batch.id, before, [(row.id, row.params["max_tokens"]) for row in rows], len(items) - len(rows)
+        return batch.id, created, [(row.id, row.params["max_tokens"]) for row in rows], len(items) - len(rows)
 
 
 @contextmanager
@@ -154,26 +154,25 @@ _CHAT_MODES = {None: "chat where the target has a template (the default)", False
 
 
 def _enqueue_or_undo(engine: Engine, connection: redis.Redis, queue_url: str, name: str,
-                     items: list[tuple[int, int]], batch_id: int, before: str | None) -> None:
+                     items: list[tuple[int, int]], batch_id: int, created: bool) -> None:
     """Enqueue the jobs of rows just written; if Redis fails, or the user interrupts, delete those
-    rows again (the whole batch when it was created here, ``before`` None; else a status this
-    reopened goes back to ``before``, unless a worker settled it meanwhile) and the jobs already
-    enqueued, so that nothing is left half-created."""
+    rows again (the whole batch when it was ``created`` here; else the batch is settled by the
+    items it keeps) and the jobs already enqueued, so that nothing is left half-created."""
     try:
         enqueue_items(connection, name, database_id(engine), items)
     except (redis.RedisError, KeyboardInterrupt) as error:
         # The rows first, in one quick statement: a second Ctrl+C during the slower removal of
         # the jobs then leaves jobs that find no item, which a worker skips.
         with session_scope(engine) as session:
-            if before is None:
+            if created:
                 session.execute(delete(Batch).where(Batch.id == batch_id))
             else:
                 ids = [item_id for item_id, _ in items]
                 for start in range(0, len(ids), IDS_PER_STATEMENT):
                     session.execute(delete(Item).where(Item.id.in_(ids[start:start + IDS_PER_STATEMENT])))
-                if before not in UNFINISHED:
-                    session.execute(update(Batch).where(Batch.id == batch_id, Batch.status == Status.QUEUED.value)
-                                    .values(status=before))
+                # By its items, not back to its status before: a worker may have claimed a new
+                # item meanwhile and marked the batch running, which no item left would end.
+                settle_batch(session, session.get(Batch, batch_id))
         try:
             delete_jobs(connection, [job_id(database_id(engine), item_id) for item_id, _ in items])
         except redis.RedisError:
@@ -236,7 +235,7 @@ def enqueue_sweep(plan: SweepPlan, *, db_url: str | None = None, queue_url: str 
         if batch is not None:
             enqueued = recover(engine, connection, batch_id).total
         else:
-            _enqueue_or_undo(engine, connection, queue_url, name, new_items, batch_id, None)
+            _enqueue_or_undo(engine, connection, queue_url, name, new_items, batch_id, created=True)
             enqueued = len(new_items)
         with session_scope(engine) as session:
             done = session.scalar(select(func.count()).select_from(Item)
