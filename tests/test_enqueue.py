@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import redis
 from click.testing import CliRunner
+from rq import Queue
 from sqlalchemy import event, func, select
 
 from polspec.cli import main
@@ -453,6 +454,46 @@ def test_an_undone_enqueue_into_a_finished_batch_settles_it_by_the_items_it_keep
         assert session.scalar(select(func.count()).select_from(Item)) == 3
     engine.dispose()
     assert set(redis.Redis.from_url(env["POLSPEC_REDIS_URL"]).keys("rq:job:*")) == jobs_before
+
+
+def test_cancel_retry_and_recover_say_what_holds_when_redis_refuses_writes(env, tmp_path, redis_server, closed_port):
+    """A Redis that answers a ping but refuses writes (here a replica of a master it cannot
+    reach; out of memory, or a replica after a failover) failed these commands after their
+    database change with a traceback: the change had taken, and the user could not tell."""
+    env = dict(env, POLSPEC_REDIS_URL=redis_server.url)
+    assert invoke(env, "--input", str(write_jsonl(tmp_path / "p.jsonl", GOOD)), "--target", "smollm2-135m")[0] == 0
+    connection = redis.Redis.from_url(redis_server.url)
+    queue = Queue("polspec-smollm2-135m", connection=connection)
+    connection.flushall()  # Redis lost its data: the items need recover
+    connection.replicaof("127.0.0.1", closed_port)
+
+    def command(*args: str) -> tuple[int, str]:
+        result = CliRunner().invoke(main, list(args), env=env)
+        return result.exit_code, result.output
+
+    def statuses() -> list[str]:
+        engine = make_engine(env["POLSPEC_DB_URL"])
+        with session_scope(engine) as session:
+            found = list(session.scalars(select(Item.status).order_by(Item.id)))
+        engine.dispose()
+        return found
+
+    try:
+        code, output = command("recover")
+        assert code == 1 and output.count("\n") == 1 and "Redis failed part-way (" in output, output
+        assert output.endswith("; the items recovered so far are queued in the database: run polspec recover again "
+                               "once Redis takes writes (a worker also recovers as it starts)\n")
+        assert command("cancel", "1") == (0, "batch 1 cancelled (3 queued items dropped)\n")  # jobs left are skipped
+        assert statuses() == ["cancelled"] * 3
+        code, output = command("retry", "1", "--cancelled")
+        assert code == 1 and output.count("\n") == 1 and "Redis failed part-way (" in output, output
+        assert output.endswith("; the cancelled items of batch 1 are queued again in the database: polspec recover "
+                               "(or a worker, as it starts) gives them their jobs once Redis takes writes\n")
+        assert statuses() == ["queued"] * 3
+    finally:
+        connection.replicaof("NO", "ONE")
+    assert command("recover") == (0, "re-enqueued 3 items (3 job missing); run polspec worker to finish them\n")
+    assert queue.count == 3
 
 
 def test_redis_failing_part_way_through_a_large_batch_leaves_no_jobs_behind(env, tmp_path, redis_server):

@@ -616,6 +616,29 @@ def test_resuming_reopens_a_cancelled_sweep_and_keeps_a_finished_one_done(env, t
                                          f"nothing left to run: polspec report {batch}\n")
 
 
+def test_a_resume_that_redis_refuses_says_the_sweep_is_reopened_and_how_it_gets_its_jobs(env, tmp_path, redis_server,
+                                                                                           closed_port):
+    """Resuming reopens the sweep in the database, then queues its items; a Redis that answers
+    a ping but refuses writes failed the second step with a traceback."""
+    env = dict(env, POLSPEC_REDIS_URL=redis_server.url)
+    sweep_file = tmp_path / "small.toml"
+    sweep_file.write_text(SMALL)
+    batch = json.loads(cli(env, "enqueue", "sweep", "--config", str(sweep_file), "--json")[1])["batch"]
+    assert cli(env, "cancel", str(batch))[0] == 0
+    connection = redis.Redis.from_url(redis_server.url)
+    connection.replicaof("127.0.0.1", closed_port)
+    try:
+        code, output = cli(env, "enqueue", "sweep", "--config", str(sweep_file))
+    finally:
+        connection.replicaof("NO", "ONE")
+    assert code == 1 and output.count("\n") == 1 and "failed part-way (" in output, output
+    assert output.endswith(f"; sweep {batch} is reopened in the database: polspec recover --batch {batch} queues its "
+                           "items once Redis takes writes\n")
+    assert {item.status for _, item, _ in stored(env).values()} == {"queued"}
+    assert cli(env, "recover", "--batch", str(batch))[0] == 0
+    assert connection.llen("rq:queue:polspec-gemma3-270m") == 10
+
+
 def test_an_edited_sweep_file_tells_that_its_earlier_sweep_is_still_queued(env, tmp_path):
     """Without a name a sweep is named by its content: after an edit the file makes a new sweep,
     and the old one's items stayed queued for the same worker, unmentioned."""

@@ -16,16 +16,26 @@ if TYPE_CHECKING:
 
 
 @contextmanager
-def _connections() -> Iterator[tuple[Engine, Redis]]:
+def _connections(if_redis_fails: str = "") -> Iterator[tuple[Engine, Redis]]:
     """The upgraded results database and a checked Redis connection (Redis first: nothing is
     touched when it is unreachable). The batches these commands act on must exist, so a database
-    file that does not is an error, not a new one."""
+    file that does not is an error, not a new one.
+
+    Redis may answer a ping and still refuse writes (out of memory, a read-only replica); that
+    shows only after the database has changed, so the error says what the database now holds
+    (``if_redis_fails``) and how the queue catches up."""
+    import redis
+
+    from polspec.errors import PolspecError
     from polspec.jobs.queue import connect
     from polspec.store.migrate import upgraded_database
 
     connection = connect()
     with upgraded_database(create=False) as engine:
-        yield engine, connection
+        try:
+            yield engine, connection
+        except redis.RedisError as error:
+            raise PolspecError(f"Redis failed part-way ({error}); {if_redis_fails}") from None
 
 
 @click.command()
@@ -42,7 +52,8 @@ def recover(batch_id: int | None) -> None:
     from polspec.jobs.control import recover as recover_items
     from polspec.store.queries import require_batch
 
-    with _connections() as (engine, connection):
+    with _connections("the items recovered so far are queued in the database: run polspec recover again once "
+                      "Redis takes writes (a worker also recovers as it starts)") as (engine, connection):
         if batch_id is not None:
             require_batch(engine, batch_id)  # an unknown batch is an error, not "nothing to recover"
         report = recover_items(engine, connection, batch_id)
@@ -97,7 +108,8 @@ def retry(batch_id: int, failed: bool, cancelled: bool) -> None:
     if not statuses:
         raise click.UsageError("say which items to queue again: --failed, --cancelled or both")
     which = " or ".join(status.value for status in statuses)
-    with _connections() as (engine, connection):
+    with _connections(f"the {which} items of batch {batch_id} are queued again in the database: polspec recover "
+                      "(or a worker, as it starts) gives them their jobs once Redis takes writes") as (engine, connection):
         count = retry_items(engine, connection, batch_id, statuses)
     click.echo(f"batch {batch_id}: {counted(count, which + ' item')} queued again" if count
                else f"batch {batch_id} has no {which} items")

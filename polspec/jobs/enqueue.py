@@ -233,7 +233,12 @@ def enqueue_sweep(plan: SweepPlan, *, db_url: str | None = None, queue_url: str 
                                            Batch.status.in_([Status.QUEUED.value, Status.RUNNING.value]))
                     .order_by(Batch.id)))
         if batch is not None:
-            enqueued = recover(engine, connection, batch_id).total
+            try:
+                enqueued = recover(engine, connection, batch_id).total
+            except redis.RedisError as error:  # after the reopen above, which recover's next run completes
+                raise PolspecError(f"Redis at {display_redis_url(queue_url)} failed part-way ({error}); sweep "
+                                   f"{batch_id} is reopened in the database: polspec recover --batch {batch_id} "
+                                   "queues its items once Redis takes writes") from None
         else:
             _enqueue_or_undo(engine, connection, queue_url, name, new_items, batch_id, created=True)
             enqueued = len(new_items)
