@@ -9,7 +9,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TextIO
+from typing import IO
 
 from polspec.errors import PolspecError
 
@@ -24,10 +24,11 @@ def user_path(text: str | Path) -> Path:
     return Path(path)
 
 
-def write_file_atomically(path: Path, write: Callable[[TextIO], None]) -> None:
-    """Call ``write`` on a temporary UTF-8 text file beside ``path``, then move it into place, so
-    a reader never sees half a file and a failure leaves nothing behind. The file gets the mode
-    a plain write would give it (the existing file's, else what the umask allows). Raises
+def write_file_atomically(path: Path, write: Callable[[IO], None], binary: bool = False) -> None:
+    """Call ``write`` on a temporary UTF-8 text file (``binary``: a bytes one) beside ``path``,
+    then move it into place, so a reader never sees half a file and a failure leaves nothing
+    behind. The file gets the mode a plain write would give it (the existing file's, else what
+    the umask allows). Raises
     :class:`PolspecError` naming ``path`` when it cannot be written. A symbolic link is written
     through, as a shell's ``>`` would, not replaced; so is a device or a pipe (``/dev/null``,
     ``/dev/stdout``, a FIFO), which a file put in its place would break for every program, and
@@ -37,7 +38,7 @@ def write_file_atomically(path: Path, write: Callable[[TextIO], None]) -> None:
         special = path.absolute().parts[1:2] in (("dev",), ("proc",)) or (
             path.exists() and not path.is_file() and not path.is_dir())
         if special:  # appending: a shell's `>> file` behind /dev/stdout keeps what it holds
-            with open(path, "a", encoding="utf-8", newline="") as handle:
+            with _open(path, "a", binary) as handle:
                 write(handle)
             return
     except OSError as error:
@@ -57,7 +58,7 @@ def write_file_atomically(path: Path, write: Callable[[TextIO], None]) -> None:
     except OSError as error:
         raise PolspecError(f"{path}: cannot write there: {error.strerror}") from None
     try:
-        with open(descriptor, "w", encoding="utf-8", newline="") as handle:
+        with _open(descriptor, "w", binary) as handle:
             write(handle)
             handle.flush()
             os.fsync(handle.fileno())  # on disk before it replaces the old file: a power cut keeps one whole
@@ -69,6 +70,10 @@ def write_file_atomically(path: Path, write: Callable[[TextIO], None]) -> None:
         if isinstance(error, OSError):
             raise PolspecError(f"{path}: cannot write there: {error.strerror}") from None
         raise
+
+
+def _open(file: Path | int, mode: str, binary: bool) -> IO:
+    return open(file, mode + "b") if binary else open(file, mode, encoding="utf-8", newline="")
 
 
 @contextmanager

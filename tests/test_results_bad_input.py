@@ -3,6 +3,9 @@ a non-zero exit, and nothing written or created. Real redis-server and SQLite; n
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import io
 import json
 import os
 import platform
@@ -18,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from matplotlib.figure import Figure
 from sqlalchemy import make_url
 
 from polspec.cli import main
@@ -235,7 +239,7 @@ def test_an_output_that_cannot_be_written_is_one_line_and_leaves_nothing(sqlite_
     assert sorted(path.name for path in tmp_path.iterdir()) == ["a-file", "data"]
 
 
-def test_a_report_or_its_plots_that_cannot_be_written_leave_nothing_behind(sqlite_env, tmp_path):
+def test_a_report_or_its_plots_that_cannot_be_written_leave_nothing_behind(sqlite_env, tmp_path, monkeypatch):
     sweep = tmp_path / "sweep.toml"
     sweep.write_text('target = "gemma3-270m"\ndrafts = ["smollm2-135m"]\ndatasets = [{ name = "pl-short", limit = 1 }]\n')
     code, output = cli(sqlite_env, "enqueue", "sweep", "--config", str(sweep), "--json")
@@ -253,7 +257,7 @@ def test_a_report_or_its_plots_that_cannot_be_written_leave_nothing_behind(sqlit
     taken = tmp_path / "taken"
     (taken / "acceptance.png").mkdir(parents=True)  # a folder where a plot goes
     code, output = cli(sqlite_env, "report", str(sweep_id), "--output", str(report), "--plots", str(taken))
-    assert code == 1 and output == (f"polspec: error: {taken / 'acceptance.png'}: cannot write the plot: "
+    assert code == 1 and output == (f"polspec: error: {taken / 'acceptance.png'}: cannot write there: "
                                     "Is a directory\n") and not report.exists()
     plots = tmp_path / "plots"
     for folder in (plots, plots / "of" / "sweep"):
@@ -270,6 +274,24 @@ def test_a_report_or_its_plots_that_cannot_be_written_leave_nothing_behind(sqlit
     assert code == 0 and report.read_text(encoding="utf-8").startswith("#")
     assert output.endswith(f"sweep {sweep_id} has no speculative results yet (0 of 2 generations done), so its tables are empty\n")
     assert f"wrote {report}\n" in output and len(list(plots.glob("*.png"))) == 3
+
+    # A disk that fills while a plot is written: savefig wrote into the old plot in place, and
+    # the report left it cut off.
+    before = {path.name: path.read_bytes() for path in plots.iterdir()}
+    save = Figure.savefig
+
+    def fills_the_disk(figure, target, **options):
+        whole = io.BytesIO()
+        save(figure, whole, **options)
+        with open(target, "wb") if isinstance(target, (str, Path)) else contextlib.nullcontext(target) as handle:
+            handle.write(whole.getvalue()[:1000])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Figure, "savefig", fills_the_disk)
+    code, output = cli(sqlite_env, "report", str(sweep_id), "--plots", str(plots))
+    assert code == 1 and re.fullmatch(rf"polspec: error: {re.escape(str(plots))}/[a-z-]+\.png: cannot write there: "
+                                      r"No space left on device\n", output), output
+    assert {path.name: path.read_bytes() for path in plots.iterdir()} == before  # every plot whole, no stray file
 
 
 def test_the_read_only_query_cannot_create_a_file_or_run_nothing(sqlite_env, batch, tmp_path):

@@ -16,6 +16,7 @@ matplotlib.use("Agg")  # files only: no display on a worker or in CI
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
+from polspec.files import write_file_atomically  # noqa: E402
 from polspec.report.summary import SweepReport  # noqa: E402
 
 
@@ -109,8 +110,12 @@ def _predicted(report: SweepReport, directory: Path) -> Path:
 
 
 def _save(figure, path: Path) -> Path:
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    """Write ``figure`` whole or not at all: a failure part-way (a full disk, Ctrl+C) must not
+    leave a broken PNG where the last report's plot was."""
+    try:
+        write_file_atomically(path, lambda handle: figure.savefig(handle, dpi=120, format="png"), binary=True)
+    finally:
+        plt.close(figure)
     return path
 
 
