@@ -471,6 +471,24 @@ def test_headline_picks_the_fastest_cell_compares_auto_per_pair_and_finds_the_wo
     assert "| 1.20x | 1.26x | never |" in markdown(report)
 
 
+def test_the_headline_compares_cells_measured_on_the_same_number_of_prompts():
+    """Mid-sweep a cell queued last has few prompts: k = 4 at 1.60x on one prompt was named the
+    fastest, and auto was judged against it."""
+    rows = [report_row("gemma3-270m", "aligned", "2", 1.30, predicted=1.25),
+            dataclasses.replace(report_row("gemma3-270m", "aligned", "4", 1.60, predicted=1.0), paired_prompts=1),
+            report_row("gemma3-270m", "aligned", "auto", 1.28)]
+    headline = summary_headline("pl-wiki", rows)
+    assert (headline.best, headline.prompts, headline.left_out) == (rows[0], 20, 1)
+    assert headline.auto_vs_best == pytest.approx({"gemma3-270m/aligned": 1.28 / 1.30})
+    assert headline.worst_prediction is rows[0]
+    report = SweepReport(1, "offline", "qwen2.5-coder-1.5b", "running", 41, 60, rows, {}, [])
+    assert ("- **pl-wiki**: fastest: gemma3-270m aligned k=2 at 1.30x; auto at 0.98-0.98 of the best fixed k of its "
+            "draft and strategy (lowest: gemma3-270m/aligned); predictions for k <= 3 within 4% (largest miss: "
+            "gemma3-270m aligned k=2, 1.25x predicted, 1.30x measured); 1 cell measured on fewer than 20 prompts "
+            "left out of these comparisons.") in markdown(report)
+    assert "left out" not in markdown(dataclasses.replace(report, rows=[rows[0], rows[2]]))
+
+
 def test_rows_order_k_by_number_and_the_headline_names_a_batch_size():
     """k up to 16 sorted as text put k = 12 between 1 and 2; and a headline that ranks rows of
     every batch size credited a batch's gain to draft, strategy and k."""

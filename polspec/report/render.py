@@ -57,6 +57,9 @@ def _headline(headline: Headline) -> str:
     if (worst := headline.worst_prediction) is not None:
         parts.append(f"predictions for k <= 3 within {headline.prediction_error:.0%} (largest miss: {_cell(worst)}, "
                      f"{worst.predicted_speedup:.2f}x predicted, {worst.speedup:.2f}x measured)")
+    if parts and headline.left_out:
+        parts.append(f"{headline.left_out} {'cell' if headline.left_out == 1 else 'cells'} measured on fewer than "
+                     f"{headline.prompts} prompts left out of these comparisons")
     return f"- **{headline.dataset}**: " + ("; ".join(parts) if parts else "no cell has a paired baseline yet") + "."
 
 

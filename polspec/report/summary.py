@@ -191,6 +191,8 @@ class Headline:
     best: Row | None  # the fixed-k cell with the highest mean speedup
     auto_vs_best: dict[str, float]  # Row.pair: auto's speedup over that pair's best fixed-k speedup
     worst_prediction: Row | None  # the k <= 3 cell whose prediction misses its measured speedup most
+    prompts: int = 0  # the paired prompts of the cells compared: the most any cell has
+    left_out: int = 0  # measured cells over fewer paired prompts, compared with none
 
     @property
     def prediction_error(self) -> float | None:
@@ -201,7 +203,8 @@ class Headline:
     def as_dict(self) -> dict[str, Any]:
         return {"dataset": self.dataset, "best": self.best.as_dict() if self.best else None,
                 "auto_vs_best": self.auto_vs_best, "prediction_error": self.prediction_error,
-                "worst_prediction": self.worst_prediction.as_dict() if self.worst_prediction else None}
+                "worst_prediction": self.worst_prediction.as_dict() if self.worst_prediction else None,
+                "prompts": self.prompts, "left_out": self.left_out}
 
 
 @dataclass
@@ -246,8 +249,15 @@ class SweepReport:
 
 
 def headline(dataset: str, rows: list[Row]) -> Headline:
-    """The headline of one dataset's rows (cells without a paired baseline are left out)."""
+    """The headline of one dataset's rows, over the cells measured on the most paired prompts.
+
+    Cells without a paired baseline are left out, and so are cells measured on fewer prompts
+    than others: mid-sweep the baselines and the cells queued first hold more prompts than the
+    rest, and a cell measured on one prompt would win or lose the comparison on that prompt."""
     measured = [row for row in rows if row.speedup is not None]
+    prompts = max((row.paired_prompts for row in measured), default=0)
+    compared = [row for row in measured if row.paired_prompts == prompts]
+    left_out, measured = len(measured) - len(compared), compared
     fixed = [row for row in measured if row.k.isdigit()]
     best_per_pair: dict[str, float] = {}
     for row in fixed:
@@ -256,7 +266,8 @@ def headline(dataset: str, rows: list[Row]) -> Headline:
                     for row in measured if row.k == "auto" and row.pair in best_per_pair}
     predicted = [row for row in fixed if int(row.k) <= 3 and row.predicted_speedup is not None]
     return Headline(dataset, max(fixed, key=lambda row: row.speedup, default=None), auto_vs_best,
-                    max(predicted, key=lambda row: abs(row.predicted_speedup / row.speedup - 1), default=None))
+                    max(predicted, key=lambda row: abs(row.predicted_speedup / row.speedup - 1), default=None),
+                    prompts, left_out)
 
 
 def mean_interval(ratios: list[float]) -> tuple[float, float | None, float | None]:
