@@ -185,15 +185,18 @@ def test_settings_that_change_nothing_and_limits_past_a_dataset_s_end_are_noted(
     path = tmp_path / "noted.toml"
     path.write_text('target = "gemma3-270m"\ndrafts = ["smollm2-135m"]\nstrategies = ["naive", "none"]\n'
                     'prefix = [3, 5]\npartial_word = "hold"\nseeds = [0, 1]\ntop_p = 0.9\n'
-                    'datasets = [{ name = "pl-short", limit = 100 }, { name = "pl-wiki", limit = 2 }]\n')
+                    'datasets = [{ name = "pl-short", limit = 100 }, { name = "pl-wiki", limit = 2 }]\n'
+                    'batch = [1, 4, 8]\nrepeats = 2\n')
     result = CliRunner().invoke(main, ["enqueue", "sweep", "--config", str(path), "--dry-run"])
     assert result.exit_code == 0 and result.output.startswith(
         f"note: {path}: 'seeds', 'top_p' have no effect at temperature 0 (greedy decoding): only the first seed runs\n"
         f"note: {path}: 'prefix', 'partial_word' have no effect with strategies naive, none: only the first prefix "
         "runs\n"
         f"note: {path}: dataset 'pl-short' holds 64 prompts, fewer than its limit of 100: all of them run\n"
+        f"note: {path}: batch 8 is more than the 4 items a cell of dataset 'pl-wiki' holds (its prompts x repeats): "
+        "those cells decode at most 4 together\n"
         "sweep sweep-"), result.output
-    assert "would queue 6 cells" in result.output  # a baseline, naive and none per dataset
+    assert "would queue 18 cells" in result.output  # a baseline, naive and none per dataset and batch size
     sampled = expand_sweep(config(strategies=["aligned"], prefix=[3, 5], seeds=[0, 1], top_p=0.9, temperature=0.7,
                                   partial_word="hold", verify="exact"), "test.toml")
     assert sampled.notes == []  # each read

@@ -183,7 +183,7 @@ def expand_sweep(config: dict[str, Any], source: str, folder: Path | None = None
 
     plan = SweepPlan(config.get("name") or _default_name(config), spec, dict(config))
     plan.cells = [cell for cells in per_dataset.values() for cell in cells]
-    plan.notes = _notes(config, grid, temperatures, verifies, datasets, prompts)
+    plan.notes = _notes(config, grid, temperatures, verifies, datasets, prompts, repeats)
     chunk = max(grid["batch"])
     ids: dict[str, str] = {}  # an item's key, the id of the prompt it was made for
     for dataset, _ in datasets:
@@ -236,10 +236,11 @@ def _cells(config: dict[str, Any], source: str, dataset: str, grid: dict[str, li
 
 
 def _notes(config: dict[str, Any], grid: dict[str, list], temperatures: list[float], verifies: list,
-           datasets: list[tuple[str, int | None]], prompts: dict[str, list]) -> list[str]:
+           datasets: list[tuple[str, int | None]], prompts: dict[str, list], repeats: int) -> list[str]:
     """What the file asks for that changes nothing, as ``generate`` tells of its options: the
     sampler's keys where nothing is sampled, a strategy's own where no strategy reads them,
-    strategies and prefixes where no round translates, and a dataset's limit past its end."""
+    strategies and prefixes where no round translates, a dataset's limit past its end, and a
+    batch size that a dataset's cells cannot fill."""
     notes = []
     greedy = [key for key in ("seeds", "top_p", "top_k", "verify")
               if key in config and not (key == "seeds" and len(grid["seeds"]) == 1)] if not any(temperatures) else []
@@ -259,6 +260,15 @@ def _notes(config: dict[str, Any], grid: dict[str, list], temperatures: list[flo
                      f"it translates none): only the first {'of each ' if len(mapped) > 1 else ''}runs")
     notes += [f"dataset {name!r} holds {len(prompts[name])} prompts, fewer than its limit of {limit}: all of them run"
               for name, limit in datasets if limit is not None and len(prompts[name]) < limit]
+    # A cell's items only ever share a batch with their own cell.
+    for name, _ in datasets:
+        items = len(prompts[name]) * repeats
+        unfilled = [size for size in grid["batch"] if size > items]
+        if unfilled:
+            sizes = ", ".join(map(str, unfilled))
+            notes.append(f"batch {sizes} {'is' if len(unfilled) == 1 else 'are'} more than the {items} items a cell "
+                         f"of dataset {name!r} holds (its prompts x repeats): those cells decode at most {items} "
+                         "together")
     return notes
 
 
