@@ -733,6 +733,16 @@ def test_aggregate_throughput_counts_decoding_not_the_model_load(env, tmp_path):
     report = json.loads(cli(env, "report", str(json.loads(output)["batch"]), "--format", "json")[1].splitlines()[0])
     assert [row["aggregate_tokens_per_s"] for row in report["rows"]] == pytest.approx([4.0] * 4)
     assert [row["aggregate_speedup"] for row in report["rows"]] == pytest.approx([2.0] * 4)
+    # A cell short of one prompt (failed, or not yet run) has no aggregate speedup: its baseline's
+    # whole-run throughput is over other prompts. The other cells keep theirs.
+    with session_scope(engine) as session:
+        last = session.scalars(select(Item).join(Item.cell).where(Cell.baseline.is_(False)).order_by(Item.id.desc())).first()
+        session.delete(last.result)
+        last.status = "failed"
+    engine.dispose()
+    report = json.loads(cli(env, "report", str(json.loads(output)["batch"]), "--format", "json")[1].splitlines()[0])
+    assert sorted(row["aggregate_speedup"] is None for row in report["rows"]) == [False, False, False, True]
+    assert all(row["aggregate_tokens_per_s"] for row in report["rows"])
 
 
 def test_a_cell_decoded_in_batches_has_the_energy_of_its_windows_where_they_hold_it_alone(env, tmp_path):

@@ -96,7 +96,8 @@ def markdown(report: SweepReport) -> str:
         lines += ["Batch B is how many of a cell's items decoded together; aggregate tok/s counts every token "
                   "of the cell over the wall time its items were decoding, prefills included (tok/s leaves "
                   "them out), and aggregate speedup divides it by "
-                  "the target-only baseline's at the same B: the gain of a bulk run.", ""]
+                  "the target-only baseline's at the same B: the gain of a bulk run (\"-\" until both have "
+                  "run the same prompts).", ""]
     lines += _sampling_note(report)
     # Prefix, temperature and verify get columns only where the rows differ in them (greedy rows
     # verify exact, so a sweep over temperatures 0 and above shows verify): the tables stay as

@@ -324,6 +324,7 @@ def sweep_report(engine: Engine, batch_id: int) -> SweepReport:
     speculative_runs: list[tuple[Pair, tuple]] = []
     groups: dict[CellKey, list[tuple[Pair, Measured]]] = defaultdict(list)
     spans: dict[tuple, list[tuple[Any, Any, int]]] = defaultdict(list)  # per cell: (start, end, tokens)
+    ran: dict[tuple, set[Pair]] = defaultdict(set)  # per cell: the runs it has results for
     # Cells of older sweeps lack the keys they did not vary.
     configs = {cell.id: scalar | cell.config for cell in cells.values()}
     for row in rows:
@@ -333,6 +334,7 @@ def sweep_report(engine: Engine, batch_id: int) -> SweepReport:
         pair = Pair(config["dataset"], config["seed"], batch_size, row.prompt_key, row.repeat, temperature)
         key = _cell_key(config, batch_size, temperature) if not cell.baseline else \
             (config["dataset"], None, batch_size, temperature)
+        ran[key].add(pair)
         if row.started_at is not None and row.finished_at is not None:
             start = decoding_start(row.started_at, row.finished_at, row.waited_s)
             spans[key].append((start, row.finished_at, row.generated_tokens))
@@ -342,9 +344,17 @@ def sweep_report(engine: Engine, batch_id: int) -> SweepReport:
             speculative_runs.append((pair, run))
             groups[key].append((pair, row))
     aggregate = {key: _aggregate(members) for key, members in spans.items()}
+
+    def baseline_aggregate(key: CellKey) -> float | None:
+        """The baseline's aggregate where it ran what the cell ran: a whole run's throughput
+        depends on the prompts (prefill, lengths), so over other prompts (a sweep part-way, a
+        failed item) it is no baseline for the cell's."""
+        base = (key.dataset, None, key.batch, key.temperature)
+        return aggregate.get(base) if ran[base] == ran[key] else None
+
     probes = {draft: load_probe(target, draft, PREDICTION_FORMATS) for draft in {key.draft for key in groups}}
-    report_rows = [cell_row(key, members, baseline, probes[key.draft], aggregate.get(key),
-                            aggregate.get((key.dataset, None, key.batch, key.temperature)), windows)
+    report_rows = [cell_row(key, members, baseline, probes[key.draft], aggregate.get(key), baseline_aggregate(key),
+                            windows)
                    for key, members in sorted(groups.items(), key=lambda group: row_order(group[0]))]
     missing = sorted(draft for draft, found in probes.items() if found is None)
     return SweepReport(batch_id, name, target, status, counts.get(Status.DONE, 0), sum(counts.values()),
