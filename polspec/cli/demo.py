@@ -19,8 +19,9 @@ def demo(limit: int, max_tokens: int, batch: int) -> None:
     Queues the first --limit prompts of the built-in pl-wiki set for gemma3-270m twice: once
     for a worker that decodes --batch items together, once for a worker that decodes one at a
     time (what a plain generate loop does). Runs both, prints the aggregate tokens/s of each,
-    measured side by side in this run with model loading included, then the bulk job's
-    results and where the database is. Starts a private redis-server when none is reachable
+    measured side by side in this run over the time the workers decoded (model loading left
+    out, as polspec status counts it), then the bulk job's results and where the database is.
+    Starts a private redis-server when none is reachable
     at POLSPEC_REDIS_URL, and stops it afterwards. Refuses a running Redis whose gemma3-270m
     queue already holds jobs: the demo's workers would run them before its own.
     """
@@ -64,7 +65,7 @@ def demo(limit: int, max_tokens: int, batch: int) -> None:
     finally:
         engine.dispose()
     bulk, single = rates.values()
-    click.echo("\naggregate throughput, same prompts, same weights, this run (model loading included):")
+    click.echo("\naggregate throughput, same prompts, same weights, this run (model loading left out):")
     for name, rate in rates.items():
         click.echo(f"  {name:>22}: {rate or 0:6.1f} tokens/s")
     if bulk and single:
