@@ -183,6 +183,11 @@ def setup() -> Backend:
     if _backend is not None:
         return _backend
     mx = _import_mlx()
+    chosen = blas_choice()
+    if chosen not in ("", "off") and not BLAS_FIX.active and platform.system() == "Linux":
+        # Asked for by path, a library that did not load would leave MLX on its slow BLAS unsaid.
+        raise PolspecError(f"POLSPEC_BLAS={chosen}: {BLAS_FIX.reason} (unset it for the bundled OpenBLAS, "
+                           "or set it to off)")
     kind = gpu_kind(mx)
     device = mlx_device("gpu" if kind else "cpu")
     if device == "gpu" and kind is None:

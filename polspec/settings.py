@@ -21,14 +21,16 @@ from polspec.files import user_path
 
 def polspec_home() -> Path:
     """The data directory; created on first use."""
-    given = os.environ.get("POLSPEC_HOME")
-    home = user_path(given) if given else Path.home() / ".cache" / "polspec"
+    given = os.environ.get("POLSPEC_HOME", "").strip()
+    # Absolute, so that messages and the database URL name the folder a worker started from
+    # another directory would not find.
+    home = user_path(given).absolute() if given else Path.home() / ".cache" / "polspec"
     try:
         home.mkdir(parents=True, exist_ok=True)
     except OSError as error:  # a file in the way, a read-only or full disk
         problem = "is a file, not a directory" if isinstance(error, FileExistsError) else \
             f"cannot be created: {error.strerror}"
-        where = "POLSPEC_HOME" if os.environ.get("POLSPEC_HOME") else "polspec's data directory"
+        where = "POLSPEC_HOME" if given else "polspec's data directory"
         raise PolspecError(f"{where} {home} {problem}") from None
     return home
 
@@ -130,8 +132,10 @@ def _choice(name: str, allowed: tuple[str, ...], default: str) -> str:
 
 
 def blas_choice() -> str:
-    """``POLSPEC_BLAS``: ``off``, a path to a BLAS library, or empty for the bundled OpenBLAS."""
-    return os.environ.get("POLSPEC_BLAS", "")
+    """``POLSPEC_BLAS``: ``off`` (in any case), a path to a BLAS library, or empty for the
+    bundled OpenBLAS."""
+    value = os.environ.get("POLSPEC_BLAS", "").strip()
+    return "off" if value.lower() == "off" else value
 
 
 def columns_set() -> bool:

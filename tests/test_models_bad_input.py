@@ -168,6 +168,17 @@ def test_a_model_hub_name_that_is_none_is_one_line(isolated_home):
     assert output.count("\n") == 1
 
 
+def test_an_alias_written_by_hand_that_names_no_file_is_one_line(isolated_home):
+    """A model hub name as the alias was taken: `models probe` then measured for a minute and
+    failed on its probe file's folder (the alias names files), without naming the alias."""
+    isolated_home.mkdir(parents=True)
+    for alias in ("speakleash/bielik", "../x", " x"):
+        (isolated_home / "models.toml").write_text(f'[models."{alias}"]\nsource = "hf:speakleash/bielik"\n')
+        code, output = run_cli("models", "list")
+        assert (code, output) == (1, f"polspec: error: {isolated_home / 'models.toml'}: [models.{alias}] is no alias: "
+                                     "letters, digits, '.', '_' and '-', starting with a letter or digit\n")
+
+
 def test_work_that_a_killed_process_left_is_removed_by_the_next(isolated_home):
     """A fetch or import killed (for memory, say) left gigabytes in the cache for good. Work of
     a live process, of another machine sharing the cache, or touched within the hour (should
@@ -395,3 +406,10 @@ def test_an_import_stopped_by_sigterm_leaves_no_work_folder(isolated_home, smoll
     importing.send_signal(signal.SIGTERM)
     assert importing.wait(timeout=60) == 128 + signal.SIGTERM
     assert leftovers(models_dir()) == [] and not (isolated_home / "models.toml").exists()
+
+
+def test_an_import_of_an_empty_path_is_refused_as_such(isolated_home):
+    """It named the working directory: "/work: a directory, not a GGUF file"."""
+    result = CliRunner().invoke(main, ["models", "import", "", "--name", "a"])
+    assert result.exit_code == 2 and result.output.splitlines()[-1] == (
+        "Error: Invalid value for 'PATH': needs a file path, got an empty one (or '.')")

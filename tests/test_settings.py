@@ -11,7 +11,7 @@ from click.testing import CliRunner
 import polspec
 from polspec.cli import main
 from polspec.errors import PolspecError
-from polspec.settings import db_busy_timeout_ms, model_cache_bytes
+from polspec.settings import database_url, db_busy_timeout_ms, model_cache_bytes, polspec_home
 
 
 def test_only_settings_reads_the_environment():
@@ -52,3 +52,15 @@ def test_a_home_that_is_a_file_is_one_line_for_every_command(tmp_path):
         result = CliRunner().invoke(main, args, env={"POLSPEC_HOME": str(home), "POLSPEC_DB_URL": ""})
         assert result.exit_code == 1 and result.output.endswith(
             f"polspec: error: POLSPEC_HOME {home} is a file, not a directory\n"), (args, result.output)
+
+
+def test_a_relative_or_padded_home_is_made_absolute_from_the_working_directory(tmp_path, monkeypatch):
+    """" data" made a folder named " data"; a relative home was named relative in messages and
+    in the database URL, which a worker started in another directory reads as another file."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("POLSPEC_HOME", " data ")
+    monkeypatch.delenv("POLSPEC_DB_URL", raising=False)
+    assert polspec_home() == tmp_path / "data" and (tmp_path / "data").is_dir()
+    assert database_url() == f"sqlite:///{tmp_path / 'data' / 'polspec.db'}"
+    monkeypatch.setenv("POLSPEC_HOME", "  ")  # blank: the default, not a folder named by spaces
+    assert polspec_home() == Path.home() / ".cache" / "polspec" and sorted(tmp_path.iterdir()) == [tmp_path / "data"]

@@ -26,7 +26,10 @@ def _redis_report(url: str) -> dict:
     try:
         client = redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=2)
         info = client.info("persistence")
-        config = client.config_get("appendfsync") | client.config_get("save")
+        try:
+            config = client.config_get("appendfsync") | client.config_get("save")
+        except redis.ResponseError:  # managed servers and restricted users refuse CONFIG, which the queue never uses
+            config = {}
     except ValueError as error:  # from_url: not a Redis URL
         report["error"] = f"not a Redis URL ({error})"
         return report
@@ -39,8 +42,8 @@ def _redis_report(url: str) -> dict:
     report.update(
         reachable=True,
         aof=bool(info.get("aof_enabled")),
-        appendfsync=config.get("appendfsync"),
-        snapshots=config.get("save") or "off",
+        appendfsync=config.get("appendfsync"),  # None: the server would not say
+        snapshots=(config["save"] or "off") if "save" in config else None,
     )
     if not report["aof"]:
         report["warning"] = "a Redis restart loses queued jobs (set appendonly yes)"

@@ -7,6 +7,7 @@ import sys
 import click
 
 from polspec.cli.console import json_lines
+from polspec.cli.progress import progress_bar
 from polspec.cli.options import (
     decoding_options,
     decoding_params,
@@ -80,14 +81,23 @@ def generate(ctx: click.Context, prompt: str, target: str, draft: str, raw: bool
     check_prompt(prompt)  # before the models load: an empty prompt or a mistyped alias is told at once
     registry = load_registry()
     target_entry = registry.model(target)
+    draft_entry = None if draft == "none" else registry.model(draft)
     chat = False if raw else None
-    check_draft_template(target_entry, None if draft == "none" else registry.model(draft), chat_mode(target_entry, chat))
+    check_draft_template(target_entry, draft_entry, chat_mode(target_entry, chat))
     note_if_the_draft_is_the_target(target, draft)
-    note_options_without_effect(ctx, draft, sampling=params.temperature > 0, strategies={params.strategy})
+    untranslated = None
+    if draft_entry is not None and draft_entry.tokenizer_family == target_entry.tokenizer_family:
+        untranslated = "with a draft of the target's tokenizer family (its tokens need no translation)"
+    elif params.verification == "tli":
+        untranslated = ("under --verify tli (auto's choice when sampling): speculative sampling maps tokens, it "
+                        "translates none")
+    note_options_without_effect(ctx, draft, sampling=params.temperature > 0, strategies={params.strategy},
+                                untranslated=untranslated)
     # Where the target's files are here, a prompt too long for it is told before any model loads.
     check_items_fit(GenerateSpec(target, None, params, chat), [ItemInput("PROMPT", prompt)])
-    target_model = load_model(target)
-    draft_model = None if draft == "none" else load_model(draft)
+    with progress_bar("loading") as report:  # a first use fetches and imports, for minutes
+        target_model = load_model(target, progress=report)
+        draft_model = None if draft == "none" else load_model(draft, progress=report)
     if draft_model is not None and params.k == "auto" and probe_outdated(load_probe(target, draft), draft_model,
                                                                          draft_vocab=params.draft_vocab):
         click.echo(f"k=auto: measuring what a round costs for {target} with {draft} on this machine, once "

@@ -12,6 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from polspec.cli.console import json_lines, output_console
+from polspec.cli.options import a_path
 from polspec.cli.progress import progress_bar
 from polspec.errors import PolspecError
 from polspec.files import user_path
@@ -95,7 +96,7 @@ def fetch(aliases: tuple[str, ...]) -> None:
 
 
 @models.command("import")
-@click.argument("path", type=click.Path(path_type=Path))
+@click.argument("path", type=click.Path(path_type=Path), callback=a_path)
 @click.option("--name", required=True, help="The alias to register the model under.")
 @click.option("--tokenizer-family", help="Models of one family share token ids (default: the alias).")
 def import_(path: Path, name: str, tokenizer_family: str | None) -> None:

@@ -8,7 +8,8 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
-from polspec.decoding.params import DRAFT_VOCAB, K_POLICIES, MAX_K, PARTIAL_WORD, STRATEGIES, VERIFY, options_unread_by
+from polspec.decoding.params import (DRAFT_VOCAB, K_POLICIES, MAX_K, PARTIAL_WORD, STRATEGIES, STRATEGY_OPTIONS, VERIFY,
+                                     options_unread_by)
 from polspec.errors import PolspecError
 
 DEFAULT_TARGET = "gemma3-270m"
@@ -112,7 +113,8 @@ _OPTIONS = [
                       "while the draft is sure of its tokens)."),
     click.option("--strategy", default="aligned", show_default=True,
                  type=click.Choice(STRATEGIES, case_sensitive=False),
-                 help="How draft tokens become target tokens when the tokenizers differ."),
+                 help="How draft tokens become target tokens when the tokenizers differ, under exact "
+                      "verification (greedy, or --verify exact when sampling; tli translates nothing)."),
     click.option("--prefix", default=5, show_default=True, type=int, help="Committed target tokens of context for translation."),
     click.option("--partial-word", default="verify", show_default=True,
                  type=click.Choice(PARTIAL_WORD, case_sensitive=False),
@@ -181,18 +183,22 @@ DRAFT_OPTIONS = ("k", "strategy", "prefix", "partial_word", "draft_vocab", "veri
 SAMPLING_OPTIONS = ("top_p", "top_k", "seed", "verify")
 
 
-def note_options_without_effect(ctx: click.Context, draft: str, sampling: bool, strategies: Collection[str]) -> None:
+def note_options_without_effect(ctx: click.Context, draft: str, sampling: bool, strategies: Collection[str],
+                                untranslated: str | None = None) -> None:
     """Say so, on stderr, when options typed on the command line change nothing: the draft's
     without a draft, the sampler's when nothing is sampled (``sampling`` False), a translation
-    strategy's own when none of ``strategies`` (those the run uses) reads them. A user who asked
-    for ``--seed 7`` at temperature 0 should not believe the seed was used."""
+    strategy's own when none of ``strategies`` (those the run uses) reads them, and the
+    translation's, ``--strategy`` included, where no round translates (``untranslated`` says
+    why). A user who asked for ``--seed 7`` at temperature 0 should not believe the seed was used."""
     typed = [name for name in ctx.params if ctx.get_parameter_source(name) is ParameterSource.COMMANDLINE]
     without_draft = [name for name in typed if name in DRAFT_OPTIONS] if draft == "none" else []
     greedy = [name for name in typed if name in SAMPLING_OPTIONS and name not in without_draft] if not sampling else []
-    unread = options_unread_by(strategies, [name for name in typed if name not in without_draft])
+    translation = [name for name in typed if name in ("strategy", *STRATEGY_OPTIONS) and name not in without_draft] \
+        if untranslated else []
+    unread = options_unread_by(strategies, [name for name in typed if name not in without_draft + translation])
     named = ", ".join(sorted(strategies))
     for unused, reason in ((without_draft, "without a --draft"), (greedy, "at --temperature 0 (greedy decoding)"),
-                           (unread, f"with --strategy {named}")):
+                           (translation, untranslated), (unread, f"with --strategy {named}")):
         if unused:
             names = ", ".join("--" + name.replace("_", "-") for name in unused)
             click.echo(f"note: {names} {'has' if len(unused) == 1 else 'have'} no effect {reason}", err=True)

@@ -8,6 +8,7 @@ built-in alias changes the keys it gives and keeps the others.
 from __future__ import annotations
 
 import codecs
+import re
 import difflib
 import tomllib
 from dataclasses import asdict, dataclass, field
@@ -133,6 +134,9 @@ def parse_registry(text: str, where: str, base: Registry | None = None) -> Regis
             raise PolspecError(f"{where}: '{kind}' must be tables such as [{kind}.NAME], got {data[kind]!r}")
     registry = Registry()
     for alias, table in data.get("models", {}).items():
+        if not re.fullmatch(ALIAS_PATTERN, alias):  # an alias names files: a '/' or '..' leads out of their folder
+            raise PolspecError(f"{where}: [models.{alias}] is no alias: letters, digits, '.', '_' and '-', starting "
+                               "with a letter or digit")
         table = _over(base and base.models.get(alias), table)
         _check_keys(where, f"models.{alias}", table, MODEL_KEYS)
         table = dict(table, eos_tokens=tuple(table.get("eos_tokens", ())))
