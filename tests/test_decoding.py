@@ -194,8 +194,9 @@ def test_the_chi_square_check_detects_a_different_distribution(gemma3):
     (dict(temperature=1e-40), "temperature must be 0 \\(greedy\\) or from 1e-06 to 1e\\+06, got 1e-40"),  # sampled token 0
     (dict(temperature=1e50), "temperature must be 0 \\(greedy\\) or from 1e-06 to 1e\\+06, got 1e\\+50"),
     (dict(temperature=0.7, seed=2**63), "seed must be between 0 and 9223372036854775807"),
-    (dict(top_p=0.0), r"top_p must be in \(0, 1\], got 0.0"),
-    (dict(top_p=1.5), r"top_p must be in \(0, 1\], got 1.5"),
+    (dict(top_p=0.0), r"top_p must be from 1e-06 to 1 \(1: off\), got 0.0"),
+    (dict(top_p=1.5), r"top_p must be from 1e-06 to 1 \(1: off\), got 1.5"),
+    (dict(top_p=1e-46), r"top_p must be from 1e-06 to 1 \(1: off\), got 1e-46"),  # every draw was token 0
     (dict(max_tokens=0), "max_tokens must be at least 1 and at most 1,048,576, got 0"),
     (dict(max_tokens=2**20 + 1), "max_tokens must be at least 1 and at most 1,048,576, got 1048577"),
     (dict(strategy="magic"), "unknown strategy 'magic'"),
@@ -212,13 +213,19 @@ def test_invalid_parameters(kwargs, message):
         DecodingParams(**kwargs)
 
 
+def test_a_policy_starts_within_its_k_max():
+    """heuristic with k_max 1 drafted 2 tokens in its first round, past the bound it promises."""
+    assert [DecodingParams(k=policy, k_max=1).initial_k for policy in ("heuristic", "confidence", "auto")] == [1] * 3
+    assert DecodingParams(k="heuristic").initial_k == 2 and DecodingParams(k=5, k_max=1).initial_k == 5
+
+
 def test_the_bounds_themselves_are_valid():
     assert DecodingParams(max_tokens=2**20, seed=2**63 - 1, k=16, k_max=16, top_p=1.0).max_tokens == 2**20
 
 
 @pytest.mark.parametrize("args, message", [
     (["--k", "0"], "--k must be between 1 and 16, got 0"),
-    (["--top-p", "0"], "--top-p must be in (0, 1], got 0.0"),
+    (["--top-p", "0"], "--top-p must be from 1e-06 to 1 (1: off), got 0.0"),
     (["--temperature", "-1"], "--temperature must be a finite number, 0 or more, got -1.0"),
 ])
 def test_cli_rejects_bad_parameters_in_one_line(args, message):
@@ -356,12 +363,6 @@ def test_state_space_models_are_refused():
 
 
 @pytest.mark.slow
-def test_chat_mode_needs_a_draft_chat_template(smollm2, gemma3):
-    with pytest.raises(PolspecError, match="gemma3-270m has no chat template; run in raw mode"):
-        generate(smollm2, gemma3, "Napisz zdanie o Krakowie.", DecodingParams(max_tokens=4))
-
-
-@pytest.mark.slow
 def test_cli_streams_and_marks_accepted_text(gemma3, smollm2, resident_models):
     runner = CliRunner()
     args = ["generate", "Stolicą Polski jest Warszawa, która", "--draft", "smollm2-135m", "--max-tokens", "4"]
@@ -413,3 +414,39 @@ def test_a_prompt_longer_than_the_draft_takes_decodes_target_only_and_says_why(g
     assert events["long"].metrics.draft_tokens == 0 and "takes at most 8192" in events["long"].metrics.k_policy_note
     assert events["long"].metrics.plain_rounds == events["long"].metrics.rounds == 1  # a report prices it plain
     assert events["short"].metrics.draft_tokens > 0 and events["short"].metrics.k_policy_note == ""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("draft", [None, "smollm2"])
+def test_a_stream_stopped_early_leaves_its_metrics_as_far_as_it_went(gemma3, smollm2, draft):
+    """A caller that stops at a stop string: the speculative decoder summed decode_s only at
+    its end (tokens/s read None), and target-only said it ended at max_tokens."""
+    metrics = DecodeMetrics()
+    tokens = stream(gemma3, smollm2 if draft else None, "Kraków jest", DecodingParams(max_tokens=40), metrics,
+                    chat=False)
+    next(tokens)
+    next(tokens)
+    tokens.close()
+    assert 0 < metrics.generated_tokens < 40 and metrics.decode_s > 0 and metrics.decode_tokens_per_s > 0
+    assert metrics.finish_reason == "" and metrics.peak_memory_gb > 0  # no reason: the caller stopped it
+
+
+@pytest.mark.slow
+def test_the_library_refuses_a_draft_without_a_chat_template_in_its_own_terms(gemma3, smollm2):
+    """The CLI's check, told as --raw, was only the CLI's: a library call failed later, naming
+    the draft's template and --raw, which a Python caller has not got."""
+    with pytest.raises(PolspecError, match=r"^draft gemma3-270m has no chat template but smollm2-135m runs in chat "
+                                           r"mode: add chat=False, or choose a draft with a chat template$"):
+        generate(smollm2, gemma3, "Kraków jest", DecodingParams(max_tokens=2))
+    with pytest.raises(PolspecError, match=r"add chat=False"):
+        BatchDecoder(smollm2, gemma3, max_batch=2).add(0, "Kraków jest", DecodingParams(max_tokens=2))
+
+
+@pytest.mark.slow
+def test_a_batch_decoder_refuses_a_probe_without_its_batch_table(gemma3, smollm2):
+    """Taken as it was, auto priced a round of several rows at one row's costs."""
+    probe = Probe(gemma3.entry.alias, smollm2.entry.alias, c=0.5, rho=(1.0,) * 9, tau=0.0)
+    with pytest.raises(PolspecError, match=r"^the probe of gemma3-270m with smollm2-135m has no batch table; take it "
+                                           r"with stored_probe\(target, draft, batched=True\)$"):
+        BatchDecoder(gemma3, smollm2, max_batch=2, probe=probe)
+    assert BatchDecoder(gemma3, smollm2, max_batch=1, probe=probe).max_batch == 1  # one row: its own costs

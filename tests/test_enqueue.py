@@ -246,7 +246,7 @@ BAD_LINES = [
     ('{"id": " ", "prompt": "x"}', "p.jsonl:2: 'id' must be a non-empty string or a whole number, got \" \""),
     ('{"id": null, "prompt": "x"}', "p.jsonl:2: 'id' must be a non-empty string or a whole number, got null"),
     ('{"id": "a", "prompt": "x", "k": 0}', "p.jsonl:2: k must be between 1 and 16, got 0"),
-    ('{"id": "a", "prompt": "x", "top_p": 1.5}', "p.jsonl:2: top_p must be in (0, 1], got 1.5"),
+    ('{"id": "a", "prompt": "x", "top_p": 1.5}', "p.jsonl:2: top_p must be from 1e-06 to 1 (1: off), got 1.5"),
     ('{"id": "a", "prompt": "x", "temperature": "hot"}', "p.jsonl:2: temperature must be a number, got 'hot'"),
     ('{"id": "a", "prompt": "x", "max_tokens": true}', "p.jsonl:2: max_tokens must be a whole number, got true"),
     ('{"id": "a", "prompt": "x", "max_tokens": 8, "max_tokens": 80}', "p.jsonl:2: key 'max_tokens' is given twice"),
@@ -317,7 +317,7 @@ def test_non_utf8_input_names_the_line(env, tmp_path):
     (["--temperature", "-1"], "temperature must be a finite number, 0 or more"),
     (["--temperature", "nan"], "temperature must be a finite number, 0 or more, got nan"),
     (["--seed", "-1", "--temperature", "0.7"], "--seed must be between 0 and 9223372036854775807"),
-    (["--top-p", "0"], "--top-p must be in (0, 1]"),
+    (["--top-p", "0"], "--top-p must be from 1e-06 to 1 (1: off)"),
     (["--prefix", "-2"], "--prefix must be 0 or more"),
     (["--target", "qwen2.5-coder-1.5b", "--draft", "gemma3-270m"], "draft gemma3-270m has no chat template"),
 ])

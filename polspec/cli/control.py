@@ -108,8 +108,9 @@ def retry(batch_id: int, failed: bool, cancelled: bool) -> None:
     if not statuses:
         raise click.UsageError("say which items to queue again: --failed, --cancelled or both")
     which = " or ".join(status.value for status in statuses)
-    with _connections(f"the {which} items of batch {batch_id} are queued again in the database: polspec recover "
-                      "(or a worker, as it starts) gives them their jobs once Redis takes writes") as (engine, connection):
+    if_redis_fails = (f"the {which} items of batch {batch_id} are queued again in the database: polspec recover "
+                      "(or a worker, as it starts) gives them their jobs once Redis takes writes")
+    with _connections(if_redis_fails) as (engine, connection):
         count = retry_items(engine, connection, batch_id, statuses)
     click.echo(f"batch {batch_id}: {counted(count, which + ' item')} queued again" if count
                else f"batch {batch_id} has no {which} items")

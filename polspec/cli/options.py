@@ -127,7 +127,7 @@ _OPTIONS = [
                       "draft step, still lossless), full, or auto (16384 where the draft has 32768 or more)."),
     click.option("--max-tokens", default=128, show_default=True, type=int, help="Tokens to generate at most (up to 1,048,576, and the target's context)."),
     click.option("--temperature", default=0.0, show_default=True, type=float, help="0 is greedy decoding."),
-    click.option("--top-p", default=1.0, show_default=True, type=float, help="Nucleus sampling mass, in (0, 1]."),
+    click.option("--top-p", default=1.0, show_default=True, type=float, help="Nucleus sampling mass, from 1e-6 to 1 (1: off)."),
     click.option("--top-k", default=0, show_default=True, type=int, help="Sample among the k likeliest tokens (0: off)."),
     click.option("--seed", type=int,
                  help="Random seed for sampling, 0 to 2**63 - 1 (default: a new random one each run)."),

@@ -41,17 +41,20 @@ def generate_autoregressive(
     prefill(target.model, cache, prompt[:-1])
     metrics.prefill_s = time.perf_counter() - start
     token = prompt[-1]
-    metrics.finish_reason = "length"
-    while metrics.generated_tokens < params.max_tokens:
-        start = time.perf_counter()
-        logits = target.model(mx.array([[token]]), cache=cache)[0, -1]
-        token = sample(logits).item()
-        metrics.rounds += 1
-        metrics.plain_rounds += without_its_draft
-        metrics.decode_s += time.perf_counter() - start
-        if token in eos:
-            metrics.finish_reason = "stop"
-            break
-        metrics.generated_tokens += 1
-        yield Commit([token])
-    metrics.peak_memory_gb = mx.get_peak_memory() / 1e9
+    try:
+        while metrics.generated_tokens < params.max_tokens:
+            start = time.perf_counter()
+            logits = target.model(mx.array([[token]]), cache=cache)[0, -1]
+            token = sample(logits).item()
+            metrics.rounds += 1
+            metrics.plain_rounds += without_its_draft
+            metrics.decode_s += time.perf_counter() - start
+            if token in eos:
+                metrics.finish_reason = "stop"
+                break
+            metrics.generated_tokens += 1
+            yield Commit([token])
+        else:
+            metrics.finish_reason = "length"
+    finally:  # also where the caller stops early (a stop string): no finish reason then
+        metrics.peak_memory_gb = mx.get_peak_memory() / 1e9

@@ -118,6 +118,10 @@ class BatchDecoder:
         self.max_batch = max_batch if max_batch is not None else max_batch_size(target, draft, longest)
         if self.max_batch < 1:
             raise PolspecError(f"max_batch must be at least 1, got {self.max_batch}")
+        if probe is not None and not probe.batch and self.max_batch > 1:
+            # auto would price a round of many rows at one row's costs: drafting where it cannot pay
+            raise PolspecError(f"the probe of {probe.target} with {probe.draft} has no batch table; take it with "
+                               "stored_probe(target, draft, batched=True)")
         self.waiting: list[_Sequence] = []
         self.rows: list[_Sequence] = []
         self.target_cache: list | None = None
@@ -125,9 +129,11 @@ class BatchDecoder:
         self._removed: set[Hashable] = set()
 
     def __bool__(self) -> bool:
+        """Whether any sequence decodes or waits to join: ``while decoder: decoder.step()`` runs all."""
         return bool(self.rows or self.waiting)
 
     def __len__(self) -> int:
+        """The sequences decoding now; those added since the last round join at the next."""
         return len(self.rows)
 
     def add(self, key: Hashable, prompt: Prompt, params: DecodingParams, chat: bool | None = None) -> None:

@@ -18,6 +18,7 @@ MAX_K = 16
 DRAFT_VOCAB = ("auto", "full")  # or a number of tokens, see polspec.decoding.draft_vocab
 MIN_DRAFT_VOCAB = 1024
 MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-6, 1e6
+MIN_TOP_P = 1e-6  # below ~1e-45 the nucleus's float32 mass is 0 and every draw is token 0
 MAX_DRAFT_VOCAB = 65_536  # a pruned size, past which a draft runs its full vocabulary or nothing pays
 # Seeds are stored in 64-bit signed integer columns and become MLX random keys (unsigned 64-bit).
 MAX_SEED = 2**63 - 1
@@ -48,7 +49,8 @@ class DecodingParams:
     candidates, fewer tokens per round). ``draft_vocab`` is how
     many tokens the draft may propose: its most frequent on Polish text (``auto``: the draft's
     default, pruned only where its vocabulary is large; ``full``: all of them). ``temperature``
-    0 is greedy. Target candidates per round are capped at ``2 * k_max + 2``.
+    0 is greedy. ``k_max`` bounds the policies' draft length (a number k is its own). Target
+    candidates per round are capped at ``2 * k + 2`` (``2 * k_max + 2`` under a policy).
 
     ``verify`` says how a sampled round (``temperature`` > 0) accepts draft tokens: ``exact``
     keeps a translated candidate only where the target samples the same token; ``tli`` is
@@ -114,8 +116,8 @@ class DecodingParams:
             # draw would be token 0: refused rather than generate padding.
             raise PolspecError(f"temperature must be 0 (greedy) or from {MIN_TEMPERATURE:g} to {MAX_TEMPERATURE:g}, "
                                f"got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise PolspecError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not MIN_TOP_P <= self.top_p <= 1:
+            raise PolspecError(f"top_p must be from {MIN_TOP_P:g} to 1 (1: off), got {self.top_p}")
         if self.top_k < 0:
             raise PolspecError(f"top_k must be 0 (off) or more, got {self.top_k}")
         if self.verify not in VERIFY:
@@ -127,7 +129,7 @@ class DecodingParams:
 
     @property
     def initial_k(self) -> int:
-        return self.k if isinstance(self.k, int) else 2
+        return self.k if isinstance(self.k, int) else min(2, self.k_max)
 
     @property
     def candidate_cap(self) -> int:

@@ -119,6 +119,7 @@ def encode_request(
     """
     check_prompt(prompt)
     chat = chat_mode(target.entry, chat)
+    check_draft_template(target.entry, draft.entry if draft is not None else None, chat, raw_option="chat=False")
     target_ids = encode_prompt(target, prompt, chat)
     reason = too_long(target.entry, len(target_ids), params.max_tokens, target.context_length)
     if reason:

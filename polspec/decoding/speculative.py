@@ -235,61 +235,64 @@ def generate_speculative(
 
     committed: list[int] = []
     pending = target_prompt[-1]
-    while len(committed) < params.max_tokens:
-        clock = time.perf_counter()
-        remaining = params.max_tokens - len(committed)
-        k = within_draft_context(policy.k_within(remaining, draft_side.text.unfed), draft_side.text, metrics,
-                                 len(committed))
-        position = len(committed)
-        draw = shared and (lambda logits, step: shared.sample(logits, params, seed, position, step))
-        proposal = draft_side.propose(k, policy, draw, within_draft_context(policy.most_within(k, remaining),
-                                                                            draft_side.text))
-        now = time.perf_counter()
-        metrics.draft_s += now - clock
-
-        clock = now
-        metrics.plain_rounds += not proposal
-        if shared is None:
-            candidates = translate_proposal(params, tables, proposal, target_prompt[-params.prefix - 8:] + committed,
-                                            draft_side.text.lag, metrics)
-        else:
-            candidates = shared.candidates(proposal, params.candidate_cap)
-        candidates = candidates[: params.max_tokens - len(committed)]
-        now = time.perf_counter()
-        metrics.translate_s += now - clock
-
-        clock = now
-        logits = target.model(mx.array([[pending] + candidates]), cache=target_cache)[0]
-        if shared is None:
-            choices = sample(logits).tolist()
-        else:
-            drawn_from = shared.distributions(proposal, draft_side.probabilities, len(candidates), logits.shape[-1]) \
-                if candidates else None
-            choices = speculative_choices(logits, candidates, drawn_from, params, seed, position).tolist()
-        new, accepted, stopped = settle_round(candidates, choices, proposal, len(committed), params, eos, metrics,
-                                              policy, tables, draft_side.text.lag)
-        trim(target_cache, len(candidates) - accepted)
-        now = time.perf_counter()
-        metrics.verify_s += now - clock
-
-        committed += new
-        pending = new[-1] if new else pending
-        metrics.generated_tokens = len(committed)
-        finished = stopped or len(committed) >= params.max_tokens
-        if not finished:
+    try:
+        while len(committed) < params.max_tokens:
             clock = time.perf_counter()
-            draft_side.resync(committed, target_table.text(new) if tables else b"")
-            metrics.resync_s += time.perf_counter() - clock
-        if new:
-            state = RoundState(cached_length(target_cache), cached_length(draft_side.cache), draft_side.text.fed,
-                               list(draft_side.text.generated), draft_side.text.lag)
-            yield Commit(new, drafted=min(accepted, len(new)), state=state)
-        if finished:
-            metrics.finish_reason = "stop" if stopped else "length"
-            metrics.note_if_never_drafted(params.k)
-            break
-    metrics.decode_s = metrics.draft_s + metrics.translate_s + metrics.verify_s + metrics.resync_s
-    metrics.peak_memory_gb = mx.get_peak_memory() / 1e9
+            remaining = params.max_tokens - len(committed)
+            k = within_draft_context(policy.k_within(remaining, draft_side.text.unfed), draft_side.text, metrics,
+                                     len(committed))
+            position = len(committed)
+            draw = shared and (lambda logits, step: shared.sample(logits, params, seed, position, step))
+            proposal = draft_side.propose(k, policy, draw, within_draft_context(policy.most_within(k, remaining),
+                                                                                draft_side.text))
+            now = time.perf_counter()
+            metrics.draft_s += now - clock
+
+            clock = now
+            metrics.plain_rounds += not proposal
+            if shared is None:
+                context = target_prompt[-params.prefix - 8:] + committed
+                candidates = translate_proposal(params, tables, proposal, context, draft_side.text.lag, metrics)
+            else:
+                candidates = shared.candidates(proposal, params.candidate_cap)
+            candidates = candidates[: params.max_tokens - len(committed)]
+            now = time.perf_counter()
+            metrics.translate_s += now - clock
+
+            clock = now
+            logits = target.model(mx.array([[pending] + candidates]), cache=target_cache)[0]
+            if shared is None:
+                choices = sample(logits).tolist()
+            else:
+                drawn_from = shared.distributions(proposal, draft_side.probabilities, len(candidates),
+                                                  logits.shape[-1]) if candidates else None
+                choices = speculative_choices(logits, candidates, drawn_from, params, seed, position).tolist()
+            new, accepted, stopped = settle_round(candidates, choices, proposal, len(committed), params, eos, metrics,
+                                                  policy, tables, draft_side.text.lag)
+            trim(target_cache, len(candidates) - accepted)
+            now = time.perf_counter()
+            metrics.verify_s += now - clock
+
+            committed += new
+            pending = new[-1] if new else pending
+            metrics.generated_tokens = len(committed)
+            finished = stopped or len(committed) >= params.max_tokens
+            if not finished:
+                clock = time.perf_counter()
+                draft_side.resync(committed, target_table.text(new) if tables else b"")
+                metrics.resync_s += time.perf_counter() - clock
+            # Per round, not once at the end: a caller that stops early (a stop string) reads it too.
+            metrics.decode_s = metrics.draft_s + metrics.translate_s + metrics.verify_s + metrics.resync_s
+            if new:
+                state = RoundState(cached_length(target_cache), cached_length(draft_side.cache), draft_side.text.fed,
+                                   list(draft_side.text.generated), draft_side.text.lag)
+                yield Commit(new, drafted=min(accepted, len(new)), state=state)
+            if finished:
+                metrics.finish_reason = "stop" if stopped else "length"
+                metrics.note_if_never_drafted(params.k)
+                break
+    finally:
+        metrics.peak_memory_gb = mx.get_peak_memory() / 1e9
 
 
 def within_draft_context(k: int, text: DraftText, metrics: DecodeMetrics | None = None, position: int = 0) -> int:
