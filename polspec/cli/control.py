@@ -16,7 +16,8 @@ if TYPE_CHECKING:
 
 
 @contextmanager
-def _connections(if_redis_fails: str = "") -> Iterator[tuple[Engine, Redis]]:
+def _connections(if_redis_fails: str = "the database holds the change: polspec recover brings the queue in line "
+                                       "once Redis takes writes") -> Iterator[tuple[Engine, Redis]]:
     """The upgraded results database and a checked Redis connection (Redis first: nothing is
     touched when it is unreachable). The batches these commands act on must exist, so a database
     file that does not is an error, not a new one.
