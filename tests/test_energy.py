@@ -139,6 +139,22 @@ def test_a_long_window_reads_its_meter_before_the_counter_can_wrap_twice(tmp_pat
     assert reading.joules == pytest.approx(3000.0) and reading.source == "rapl"
 
 
+def test_a_stretch_left_unread_longer_than_a_counter_can_hold_is_no_measurement(tmp_path, monkeypatch):
+    """A stretch that ran through a long wait (a database down for an hour) counted only the
+    last of RAPL's wraps: 540 kJ was stored as 15.7 kJ, a wrong number taken for a reading."""
+    package = zone(tmp_path, "intel-rapl:0", 0, wrap=262_143_328_850)
+    clock = [0.0]
+    monkeypatch.setattr(energy.time, "monotonic", lambda: clock[0])
+    measurement = Measurement(RaplMeter(tmp_path))
+    measurement.resume()
+    clock[0] = 90 * 60.0
+    (package / "energy_uj").write_text(f"{540_000_000_000 % 262_143_328_850}\n")  # 100 W for 90 minutes
+    measurement.pause()
+    reading = measurement.reading()
+    assert reading.joules is None and reading.unavailable_reason == (
+        "rapl went unread for 5400 s, long enough for a counter to wrap unseen")
+
+
 @pytest.mark.parametrize("vanishes", ["at the start", "during"])
 def test_a_meter_that_fails_leaves_the_energy_unavailable_and_the_work_done(tmp_path, vanishes):
     package = zone(tmp_path, "intel-rapl:0", 1_000_000)

@@ -36,7 +36,7 @@ from polspec.store.items import Worker, claim_item, database_id, fail_item
 from polspec.store.queries import work_progress
 from polspec.store.migrate import upgrade
 from polspec.store.schema import EnergyWindow, Item, Result
-from polspec.worker import context
+from polspec.worker import batching, context
 from polspec.worker import run as worker_run
 from polspec.worker.model_cache import ModelCache
 from polspec.worker.worker import PolspecWorker
@@ -693,6 +693,33 @@ def test_a_batch_that_decoded_an_item_it_did_not_keep_is_no_cell_energy(env, mon
     assert shared.generated_tokens > kept[0].generated_tokens and len(windows) == 1
     window = Window(shared.energy_joules, shared.generated_tokens, shared.sequences)
     assert joules_per_token(kept, {shared.id: window}) is None
+
+
+@pytest.mark.slow
+def test_a_batch_s_energy_leaves_out_its_waits_for_the_database(env, monkeypatch):
+    """The meter ran on while a result waited for the database (for as long as it is down): the
+    machine's idle joules were counted as the batch's decoding, and over an hour RAPL's counter
+    could wrap unseen. Here each result's write waits 2 s; a clock meter counts 10 W."""
+    monkeypatch.setattr(worker_run, "open_meter", lambda device: (ClockMeter(), "a clock at 10 W"))
+    store = batching.store_result
+
+    def slow_store(*args, **kwargs):
+        time.sleep(2.0)
+        return store(*args, **kwargs)
+
+    monkeypatch.setattr(batching, "store_result", slow_store)
+    code, output = cli(env, "enqueue", "generate", "--dataset", "pl-short", "--limit", "2", "--target",
+                       "smollm2-135m", "--max-tokens", "4", "--raw")
+    assert code == 0, output
+    started = time.monotonic()
+    assert work(env, batch=2)
+    wall = time.monotonic() - started
+    engine = make_engine(env["POLSPEC_DB_URL"])
+    with session_scope(engine) as session:
+        window = session.scalars(select(EnergyWindow)).one()
+    engine.dispose()
+    assert window.sequences == 2 and window.energy_joules > 0
+    assert window.energy_joules / 10 < wall - 3.5, (window.energy_joules, wall)  # the 4 s of waits left out
 
 
 @pytest.mark.slow

@@ -48,7 +48,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import mlx.core as mx
 import redis
@@ -79,6 +79,7 @@ if TYPE_CHECKING:
     from polspec.worker.worker import PolspecWorker
 
 log = logging.getLogger("polspec.worker")
+T = TypeVar("T")
 
 SCAN_DEPTH = 256  # queued jobs read per refill when looking for items that fit the batch
 PROMPT_ALLOWANCE = 512  # prompt tokens allowed for per sequence when sizing a batch by memory
@@ -268,8 +269,9 @@ class BatchRun:
             self.decoder.add(item_id, prompt_of(claim), params, spec.chat)
         except PolspecError as error:  # this item cannot run (a prompt too long, a model that fails to load)
             reason = str(error)
-            when_the_database_answers(lambda: fail_item(self.ctx.engine, item_id, self.ctx.me, reason, final=True),
-                                      f"the failure of item {item_id}")
+            self._outside_the_window(lambda: when_the_database_answers(
+                lambda: fail_item(self.ctx.engine, item_id, self.ctx.me, reason, final=True),
+                f"the failure of item {item_id}"))
             self.ctx.current_items.discard(item_id)  # its lease renewed while the failure waited
             self._succeed(job, execution, {"item": item_id, "failed": reason})
             return
@@ -406,9 +408,10 @@ class BatchRun:
             self._fail(running.job, running.execution, _timeout(running.job))
             return
         if event.metrics.finish_reason == "cancelled":
-            when_the_database_answers(lambda: fail_item(self.ctx.engine, event.key, self.ctx.me, "cancelled while "
-                                                        "running", final=True, status=Status.CANCELLED),
-                                      f"the cancel of item {event.key}")
+            self._outside_the_window(lambda: when_the_database_answers(
+                lambda: fail_item(self.ctx.engine, event.key, self.ctx.me, "cancelled while running", final=True,
+                                  status=Status.CANCELLED),
+                f"the cancel of item {event.key}"))
             self.ctx.current_items.discard(event.key)
             self._succeed(running.job, running.execution, {"item": event.key, "cancelled": True})
             return
@@ -419,7 +422,7 @@ class BatchRun:
         clock = time.monotonic()
         try:
             # The batch waits while the database fails: every row's result would wait alike.
-            stored = store_result(self.ctx, event.key, result)
+            stored = self._outside_the_window(lambda: store_result(self.ctx, event.key, result))
         except Exception:  # noqa: BLE001 - refused: the item fails with the reason after RQ's retries
             self._fail(running.job, running.execution, sys.exc_info())
             return
@@ -430,6 +433,18 @@ class BatchRun:
         self.refill_pause = self.refill_after = 0.0  # the database takes writes: refill at once
         self._succeed(running.job, running.execution,
                       {"item": event.key, "stored": stored, "tokens": result.generated_tokens})
+
+    def _outside_the_window(self, write: Callable[[], T]) -> T:
+        """``write()`` with the batch's meter paused, as for a probe: a write waits as long as the
+        database fails (:func:`when_the_database_answers`), and the machine's idle joules
+        meanwhile are no decoding's (over an hour, RAPL's counter would also wrap unseen)."""
+        measuring = self.energy.running
+        self.energy.pause()
+        try:
+            return write()
+        finally:
+            if measuring:
+                self.energy.resume()
 
     def _energy_reason(self, batch_size: float) -> str:
         if self.ctx.meter is None:
@@ -448,8 +463,9 @@ class BatchRun:
         if record:
             error = exc_info[1]
             reason = f"{type(error).__name__}: {error}"
-            when_the_database_answers(lambda: fail_item(self.ctx.engine, item_id, self.ctx.me, reason,
-                                                        final=not job.retries_left), f"the failure of item {item_id}")
+            self._outside_the_window(lambda: when_the_database_answers(
+                lambda: fail_item(self.ctx.engine, item_id, self.ctx.me, reason, final=not job.retries_left),
+                f"the failure of item {item_id}"))
         self.ctx.current_items.discard(item_id)  # its lease renewed while the failure waited
         self._end(job, lambda: self.worker._finalize_failure(job, self.queue, execution, exc_info))
 

@@ -27,6 +27,9 @@ POWERCAP = Path("/sys/class/powercap")
 # The longest a meter is left unread while it measures: a stretch of hours would let RAPL's
 # counter wrap more than once, and the joules of each wrap but the last would go uncounted.
 MAX_STRETCH_S = 60.0
+# A stretch left unread this long (a path that forgot to pause, or to renew) is no measurement:
+# at a few hundred watts RAPL's counter wraps within it, unseen.
+MAX_UNREAD_S = 10 * MAX_STRETCH_S
 _TOP_ZONE = re.compile(r"intel-rapl:\d+")  # sub-zones (intel-rapl:0:1) are inside their package
 
 
@@ -244,6 +247,11 @@ class Measurement:
         if self.synchronize is not None:
             self.synchronize()
         started, self.started = self.started, None
+        unread = time.monotonic() - self.stretch_began
+        if unread > MAX_UNREAD_S and self.failure is None:
+            self.failure = (f"{self.meter.name} went unread for {unread:.0f} s, long enough for a counter to wrap "
+                            "unseen")
+            return
         try:
             self.joules += self.meter.stop(started)
             self.stretches += 1
