@@ -34,7 +34,8 @@ the batch with it, its other items' job timeouts held meanwhile.
 
 Energy: where a meter works, the batch is measured as one energy window
 (:mod:`polspec.store.energy_windows`) that each of its results names, from its first round to
-its end, less any probe measured meanwhile (the models are loaded before). A meter reads the
+its end, less any probe measured and any database write waited on meanwhile (the models are
+loaded before). A meter reads the
 whole machine, so an item's own joules stay unavailable, with the reason; a report sums whole
 windows instead. Energy is a record, not the work: a meter or a window that fails leaves the
 energy unavailable and every item decoding.
