@@ -106,9 +106,10 @@ def test_policy_and_choice_names_are_read_in_any_case(env):
                           "--strategy", "Aligned", "--verify", "TLI", "--partial-word", "HOLD", "--draft-vocab", "Full",
                           "--temperature", "0.7", "--json")
     assert code == 0, output
+    assert output.startswith("note: --strategy, --partial-word have no effect under --verify tli")  # then the JSON
     engine = make_engine(env["POLSPEC_DB_URL"])
     with session_scope(engine) as session:
-        params = session.get(Batch, json.loads(output)["batch"]).spec["params"]
+        params = session.get(Batch, json.loads(output.splitlines()[-1])["batch"]).spec["params"]
     engine.dispose()
     assert (params["k"], params["strategy"], params["verify"], params["partial_word"], params["draft_vocab"]) == (
         "auto", "aligned", "tli", "hold", "full")
@@ -202,6 +203,15 @@ def test_options_that_change_nothing_are_queued_with_a_note(env, tmp_path):
                                            "--target", "qwen2.5-coder-1.5b", "--draft", "smollm2-135m", "--strategy",
                                            "naive", "--prefix", "3", "--partial-word", "hold", "--json"], env=env)
         assert queued.exit_code == 0 and queued.stderr == note
+    # Sampled with speculative sampling (auto's choice), no round translates; a line that verifies
+    # by exact match does.
+    for given, note in ((rows[:1], "note: --strategy has no effect under --verify tli (auto's choice when sampling): "
+                                   "speculative sampling maps tokens, it translates none\n"),
+                        ([*rows[:1], {"id": "c", "prompt": "Gdańsk", "verify": "exact"}], "")):
+        queued = CliRunner().invoke(main, ["enqueue", "generate", "--input", str(write_jsonl(tmp_path / "t.jsonl", given)),
+                                           "--target", "qwen2.5-coder-1.5b", "--draft", "smollm2-135m", "--strategy",
+                                           "naive", "--temperature", "0.7", "--json"], env=env)
+        assert queued.exit_code == 0 and queued.stderr == note, queued.stderr
 
 
 def test_stdin_and_dataset_inputs(env):

@@ -17,6 +17,7 @@ from polspec.cli.options import (
     decoding_params,
     note_if_the_draft_is_the_target,
     note_options_without_effect,
+    why_nothing_translates,
 )
 from polspec.errors import PolspecError
 from polspec.jobs.datasets import DATASETS, load_dataset
@@ -84,9 +85,10 @@ def generate(ctx: click.Context, input_path: str | None, dataset: str | None, li
     spec = GenerateSpec(target, None if draft == "none" else draft, params, False if raw else None, source)
     done = enqueue_generate(spec, items, name)
     note_if_the_draft_is_the_target(target, draft)
-    note_options_without_effect(ctx, draft, sampling=params.temperature > 0
-                                or any(item.overrides.get("temperature") for item in items),
-                                strategies={item.overrides.get("strategy", params.strategy) for item in items})
+    runs = [item.params(params) for item in items]
+    note_options_without_effect(ctx, draft, sampling=any(run.temperature > 0 for run in runs),
+                                strategies={run.strategy for run in runs},
+                                untranslated=why_nothing_translates(target, draft, runs))
     if as_json:
         click.echo(json.dumps({"batch": done.batch_id, "name": done.name, "queue": done.queue,
                                "added": done.added, "existing": done.existing}))

@@ -13,6 +13,7 @@ from polspec.cli.options import (
     decoding_params,
     note_if_the_draft_is_the_target,
     note_options_without_effect,
+    why_nothing_translates,
 )
 
 
@@ -85,14 +86,8 @@ def generate(ctx: click.Context, prompt: str, target: str, draft: str, raw: bool
     chat = False if raw else None
     check_draft_template(target_entry, draft_entry, chat_mode(target_entry, chat))
     note_if_the_draft_is_the_target(target, draft)
-    untranslated = None
-    if draft_entry is not None and draft_entry.tokenizer_family == target_entry.tokenizer_family:
-        untranslated = "with a draft of the target's tokenizer family (its tokens need no translation)"
-    elif params.verification == "tli":
-        untranslated = ("under --verify tli (auto's choice when sampling): speculative sampling maps tokens, it "
-                        "translates none")
     note_options_without_effect(ctx, draft, sampling=params.temperature > 0, strategies={params.strategy},
-                                untranslated=untranslated)
+                                untranslated=why_nothing_translates(target, draft, [params]))
     # Where the target's files are here, a prompt too long for it is told before any model loads.
     check_items_fit(GenerateSpec(target, None, params, chat), [ItemInput("PROMPT", prompt)])
     with progress_bar("loading") as report:  # a first use fetches and imports, for minutes

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 
 import click
 from click.core import ParameterSource
 
 from polspec.decoding.params import (DRAFT_VOCAB, K_POLICIES, MAX_K, PARTIAL_WORD, STRATEGIES, STRATEGY_OPTIONS, VERIFY,
-                                     options_unread_by)
+                                     DecodingParams, options_unread_by)
 from polspec.errors import PolspecError
 
 DEFAULT_TARGET = "gemma3-270m"
@@ -181,6 +181,23 @@ def note_if_the_draft_is_the_target(target: str, draft: str) -> None:
 # Options that change nothing without a draft, and at temperature 0 (greedy decoding).
 DRAFT_OPTIONS = ("k", "strategy", "prefix", "partial_word", "draft_vocab", "verify")
 SAMPLING_OPTIONS = ("top_p", "top_k", "seed", "verify")
+
+
+def why_nothing_translates(target: str, draft: str, runs: Iterable[DecodingParams]) -> str | None:
+    """Why no round of these ``runs`` translates draft tokens, if none does: the draft shares the
+    target's tokenizer family, or every run verifies by speculative sampling (tli), which maps
+    tokens. None without a draft (the draft's options are noted as such) or where some run does."""
+    from polspec.models.registry import load_registry
+
+    if draft == "none":
+        return None
+    registry = load_registry()
+    if registry.model(draft).tokenizer_family == registry.model(target).tokenizer_family:
+        return "with a draft of the target's tokenizer family (its tokens need no translation)"
+    if all(run.verification == "tli" for run in runs):
+        return ("under --verify tli (auto's choice when sampling): speculative sampling maps tokens, it "
+                "translates none")
+    return None
 
 
 def note_options_without_effect(ctx: click.Context, draft: str, sampling: bool, strategies: Collection[str],
