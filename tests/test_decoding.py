@@ -213,6 +213,22 @@ def test_invalid_parameters(kwargs, message):
         DecodingParams(**kwargs)
 
 
+def test_numpy_numbers_are_taken_as_the_python_numbers_they_are():
+    """A grid built with np.arange or np.linspace was refused: "max_tokens must be a whole
+    number, got np.int64(5)"."""
+    import numpy as np
+
+    params = DecodingParams(max_tokens=np.int64(5), k=np.int8(3), temperature=np.float32(0.5), top_k=np.int32(3),
+                            seed=np.uint64(7), top_p=np.float16(0.5))
+    assert params.as_dict() == DecodingParams(max_tokens=5, k=3, temperature=0.5, top_k=3, seed=7,
+                                                   top_p=0.5).as_dict()
+    assert json.dumps(params.as_dict())  # stored as JSON with the item
+    with pytest.raises(PolspecError, match="max_tokens must be a whole number"):
+        DecodingParams(max_tokens=np.float64(5.0))  # a float is no count, numpy's or not
+    with pytest.raises(PolspecError, match="k must be a number from 1 to 16"):
+        DecodingParams(k=np.bool_(True))
+
+
 def test_a_policy_starts_within_its_k_max():
     """heuristic with k_max 1 drafted 2 tokens in its first round, past the bound it promises."""
     assert [DecodingParams(k=policy, k_max=1).initial_k for policy in ("heuristic", "confidence", "auto")] == [1] * 3

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 from collections.abc import Iterable
 from dataclasses import dataclass, fields
 
@@ -18,6 +19,7 @@ MAX_K = 16
 DRAFT_VOCAB = ("auto", "full")  # or a number of tokens, see polspec.decoding.draft_vocab
 MIN_DRAFT_VOCAB = 1024
 MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-6, 1e6
+_PLAIN = (int, float, str, bool, type(None))  # what DecodingParams holds without conversion
 MIN_TOP_P = 1e-6  # below ~1e-45 the nucleus's float32 mass is 0 and every draw is token 0
 MAX_DRAFT_VOCAB = 65_536  # a pruned size, past which a draft runs its full vocabulary or nothing pays
 # Seeds are stored in 64-bit signed integer columns and become MLX random keys (unsigned 64-bit).
@@ -74,6 +76,16 @@ class DecodingParams:
     verify: str = "auto"
 
     def __post_init__(self) -> None:
+        # A library caller's grid may hold numpy scalars (np.arange, np.linspace): taken as the
+        # Python numbers they are, so that validation, JSON storage and seeds see plain values.
+        for name in self.__dataclass_fields__:
+            value = getattr(self, name)
+            if type(value) in _PLAIN:  # nearly always: the checks below are slow
+                continue
+            if isinstance(value, numbers.Integral) and not isinstance(value, (int, bool)):
+                object.__setattr__(self, name, int(value))
+            elif isinstance(value, numbers.Real) and not isinstance(value, (float, numbers.Integral)):
+                object.__setattr__(self, name, float(value))
         # Values come from JSONL lines and TOML files too: a float k or a text seed is refused
         # here rather than truncated or failing on the worker.
         for name in ("max_tokens", "prefix", "top_k", "k_max", *(("seed",) if self.seed is not None else ())):
