@@ -90,6 +90,12 @@ class _Sequence:
     draft_warm: bool = False  # its draft prompt is cached: it has proposed at least once
 
     @property
+    def lag(self) -> bytes:
+        """Committed bytes its draft has not seen (an incomplete character), which its next
+        proposal repeats; none without a draft."""
+        return self.draft_text.lag if self.draft_text else b""
+
+    @property
     def past_draft_context(self) -> bool:
         """Its text leaves the draft no room (:meth:`DraftText.room`): from here it decodes plainly
         and its draft row is fed nothing more."""
@@ -205,8 +211,8 @@ class BatchDecoder:
             if sequence.shared is not None:
                 found = sequence.shared.candidates(proposal, sequence.params.candidate_cap)
             else:
-                found = translate_proposal(sequence.params, self.tables, proposal, context,
-                                           sequence.draft_text.lag if sequence.draft_text else b"", sequence.metrics)
+                found = translate_proposal(sequence.params, self.tables, proposal, context, sequence.lag,
+                                           sequence.metrics)
             candidates.append(found[: sequence.params.max_tokens - len(sequence.committed)])
         translate_s = time.perf_counter() - clock
 
@@ -217,8 +223,7 @@ class BatchDecoder:
         for row, sequence in enumerate(self.rows):
             new, accepted, stopped = settle_round(
                 candidates[row], choices[row], proposals[row], len(sequence.committed), sequence.params,
-                sequence.eos, sequence.metrics, sequence.policy or _PLAIN, self.tables,
-                sequence.draft_text.lag if sequence.draft_text else b"")
+                sequence.eos, sequence.metrics, sequence.policy or _PLAIN, self.tables, sequence.lag)
             trims.append(width - 1 - accepted)
             sequence.metrics.plain_rounds += not proposals[row] and self.draft is not None
             sequence.committed += new

@@ -293,11 +293,8 @@ class BatchRun:
         clock = time.perf_counter()
         held = self.decoder.probe if self.decoder is not None else None
         if self.decoder is None or (params.k == "auto" and not (held and held.batch)):
-            measuring = self.energy.running  # a probe is not decoding: left out of the window
-            self.energy.pause()
-            held = item_probe(self.target, self.draft, params, batched=True)
-            if measuring:
-                self.energy.resume()
+            # A probe is not decoding: left out of the window.
+            held = self._outside_the_window(lambda: item_probe(self.target, self.draft, params, batched=True))
         probe_s = time.perf_counter() - clock
         longest = params.max_tokens + PROMPT_ALLOWANCE
         if self.decoder is None:
@@ -436,9 +433,10 @@ class BatchRun:
                       {"item": event.key, "stored": stored, "tokens": result.generated_tokens})
 
     def _outside_the_window(self, write: Callable[[], T]) -> T:
-        """``write()`` with the batch's meter paused, as for a probe: a write waits as long as the
-        database fails (:func:`when_the_database_answers`), and the machine's idle joules
-        meanwhile are no decoding's (over an hour, RAPL's counter would also wrap unseen)."""
+        """``write()`` (a probe, a database write) with the batch's meter paused: it is no
+        decoding, and a write waits as long as the database fails
+        (:func:`when_the_database_answers`), its idle joules no decoding's (over an hour, RAPL's
+        counter would also wrap unseen)."""
         measuring = self.energy.running
         self.energy.pause()
         try:
