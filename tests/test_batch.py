@@ -282,7 +282,9 @@ def test_a_row_feeds_the_draft_its_prompt_only_when_it_first_proposes(gemma3, sm
             assert decoder.cached_lengths()[1] == [0] * len(decoder)
     assert metrics[0].draft_tokens == 0 and metrics[0].plain_rounds == metrics[0].rounds == max_tokens(0)
     assert metrics[0].k_policy_note.startswith("auto: plain decoding every round")  # results say why
-    assert metrics[1].draft_tokens > 0 and metrics[1].plain_rounds == max_tokens(0) and not metrics[1].k_policy_note
+    # Plain while together, and in a last round with one token to go (the target's own), if it had one.
+    assert metrics[1].draft_tokens > 0 and metrics[1].plain_rounds - max_tokens(0) in (0, 1)
+    assert not metrics[1].k_policy_note
     assert tokens[0] == single(gemma3, 0)
     assert_same_or_float_tie(gemma3, PROMPTS[1], generate(gemma3, None, PROMPTS[1], DecodingParams(max_tokens=16),
                                                          chat=False).token_ids, tokens[1])

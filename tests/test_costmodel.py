@@ -150,8 +150,9 @@ def test_auto_drafts_only_where_the_round_could_pay_back_the_draft_catch_up():
     assert policy.k_within(32, 0) == k
     assert policy.k_within(32, math.floor(saved / feed) - 1) == k
     assert policy.k_within(32, math.ceil(saved / feed) + 1) == 0  # the catch-up costs more than k saves
-    assert policy.k_within(1, 0) == 1  # never past the tokens left
-    assert DraftLength(DecodingParams(k=3)).k_within(2, 10_000) == 2  # a fixed k drafts whatever it costs
+    # Never past what the tokens left can use: the round's last token is the target's own.
+    assert (policy.k_within(2, 0), policy.k_within(1, 0)) == (1, 0)
+    assert DraftLength(DecodingParams(k=3)).k_within(3, 10_000) == 2  # a fixed k drafts whatever it costs
 
 
 def test_a_sequence_starts_from_the_pooled_estimate_but_its_own_rounds_soon_outweigh_it():

@@ -119,11 +119,29 @@ def decode_checking_caches(target, draft, prompt: str, params: DecodingParams) -
 
 
 @pytest.mark.slow
+def test_no_round_drafts_a_candidate_the_tokens_left_cannot_use(gemma3, smollm2, baseline):
+    """A round with r tokens to go commits at most r, the last the target's own choice after the
+    accepted candidates: an r-th candidate was drafted and verified for nothing, and with one
+    token to go the whole round was (in a batch its draft prompt was prefilled for it too)."""
+    prompt = PROMPTS[0]
+    requests = [(prompt, DecodingParams(max_tokens=tokens, k=4)) for tokens in (1, 2)]
+    alone = [generate(gemma3, smollm2, prompt, params, chat=False) for _, params in requests]
+    batched = {event.key: event.metrics for event in stream_batch(gemma3, smollm2, requests, max_batch=2, chat=False)
+               if event.finished}
+    for (_, params), result, metrics in zip(requests, alone, (batched[0], batched[1])):
+        assert result.token_ids == baseline(gemma3, prompt)[: params.max_tokens]
+        for measured in (result.metrics, metrics):
+            assert measured.candidates <= params.max_tokens - 1 and measured.draft_tokens <= params.max_tokens - 1
+    assert alone[0].metrics.plain_rounds == alone[0].metrics.rounds == batched[0].plain_rounds == 1
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["heuristic", "confidence"])
 def test_adaptive_draft_lengths_are_lossless(gemma3, smollm2, baseline, policy):
     for prompt in PROMPTS[:3]:
         result = generate(gemma3, smollm2, prompt, DecodingParams(max_tokens=MAX_TOKENS, k=policy), chat=False)
         assert_same_or_float_tie(gemma3, prompt, baseline(gemma3, prompt), result.token_ids)
+        assert result.metrics.draft_tokens > 0 and result.metrics.candidates > 0  # the policy drafted
 
 
 @pytest.mark.slow

@@ -46,11 +46,11 @@ from polspec.decoding.draft_head import DraftHead, vocabulary_size
 from polspec.decoding.draft_vocab import draft_head, polish_texts
 from polspec.decoding.metrics import DecodeMetrics
 from polspec.decoding.params import DecodingParams
-from polspec.decoding.policy import DraftLength, shared_auto_k
+from polspec.decoding.policy import DraftLength, candidates_that_count, shared_auto_k
 from polspec.decoding.prompts import Prompt, draft_cannot_take, encode_request
 from polspec.decoding.sampling import sequence_seed, token_sampler
-from polspec.decoding.speculative import (DraftText, settle_round, translate_proposal, translation_tables,
-                                         within_draft_context)
+from polspec.decoding.speculative import (DraftText, candidates_to_verify, settle_round, translate_proposal,
+                                         translation_tables, within_draft_context)
 from polspec.decoding.speculative_sampling import SharedDraft, shared_draft, speculative_choices
 from polspec.errors import PolspecError
 from polspec.models.loader import LoadedModel
@@ -190,14 +190,14 @@ class BatchDecoder:
             sequence.policy.k = sequence.policy.k_within(sequence.params.max_tokens - len(sequence.committed),
                                                          sequence.draft_text.unfed)
 
-        cold = [row for row, s in enumerate(self.rows)
-                if s.policy and s.policy.k and not s.draft_warm and not s.past_draft_context]
+        remaining = [s.params.max_tokens - len(s.committed) for s in self.rows]
+        wanted = [min(s.policy.k, candidates_that_count(left)) if s.policy else 0 for s, left in zip(self.rows, remaining)]
+        cold = [row for row, s in enumerate(self.rows) if wanted[row] and not s.draft_warm and not s.past_draft_context]
         if cold:
             self._warm(cold)
         clock = time.perf_counter()
-        remaining = [s.params.max_tokens - len(s.committed) for s in self.rows]
-        ks = [within_draft_context(min(s.policy.k, left), s.draft_text, s.metrics, len(s.committed)) if s.policy else 0
-              for s, left in zip(self.rows, remaining)]
+        ks = [within_draft_context(k, s.draft_text, s.metrics, len(s.committed)) if s.policy else 0
+              for s, k in zip(self.rows, wanted)]
         floors = [_floor(s, k) for s, k in zip(self.rows, ks)]
         if auto and batch == 1:
             ks = [within_draft_context(auto[0].policy.most_within(ks[0], remaining[0]), auto[0].draft_text)]
@@ -206,14 +206,14 @@ class BatchDecoder:
 
         clock = time.perf_counter()
         candidates = []
-        for sequence, proposal in zip(self.rows, proposals):
+        for sequence, proposal, left in zip(self.rows, proposals, remaining):
             context = sequence.prompt[-sequence.params.prefix - 8:] + sequence.committed
             if sequence.shared is not None:
                 found = sequence.shared.candidates(proposal, sequence.params.candidate_cap)
             else:
                 found = translate_proposal(sequence.params, self.tables, proposal, context, sequence.lag,
                                            sequence.metrics)
-            candidates.append(found[: sequence.params.max_tokens - len(sequence.committed)])
+            candidates.append(candidates_to_verify(found, left, sequence.eos))
         translate_s = time.perf_counter() - clock
 
         clock = time.perf_counter()

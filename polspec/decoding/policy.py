@@ -20,6 +20,14 @@ from polspec.decoding.params import DecodingParams
 EXTEND_ABOVE = 0.9
 
 
+def candidates_that_count(remaining: int) -> int:
+    """The most candidates a round can use with ``remaining`` tokens to go: it commits at most
+    ``remaining``, the last of them the target's own choice after the accepted candidates, so a
+    candidate past ``remaining - 1`` would be drafted and verified for nothing (with one token
+    to go, a round is a plain step)."""
+    return max(remaining - 1, 0)
+
+
 class DraftLength:
     """Decides how many tokens the draft proposes next round.
 
@@ -78,7 +86,8 @@ class DraftLength:
     def k_within(self, remaining: int, unfed: int) -> int:
         """This round's k for a sequence with ``remaining`` tokens to go whose draft has not
         yet been fed ``unfed`` tokens of its text beyond the round's first position (its prompt
-        before the first proposal, a plain stretch after one): at most ``remaining``, and under
+        before the first proposal, a plain stretch after one): at most what those tokens can use
+        (:func:`candidates_that_count`), and under
         ``auto`` 0 unless the speedup k could plausibly give (at the estimate's upper bound)
         pays back that feed within the tokens left
         (:func:`~polspec.decoding.costmodel.pays_back`).
@@ -87,7 +96,7 @@ class DraftLength:
         estimate toward the pool's, so a sequence the pool says barely pays would otherwise
         stay plain to its end on the pool's word alone, its catch-up growing with every plain
         step (replayed on ``pl-instruct``: 5 of 8 prompts plain throughout)."""
-        k = min(self.k, remaining)
+        k = min(self.k, candidates_that_count(remaining))
         if self.mode != "auto" or k == 0:
             return k
         speedup = predicted_speedup(self.probe, self.estimate.upper_bound(), k, self.ratio)
@@ -96,7 +105,7 @@ class DraftLength:
     def most_within(self, k: int, remaining: int) -> int:
         """The most tokens a round of ``k`` may draft with ``remaining`` tokens to go: under
         ``auto`` (k > 0) up to ``k_max`` while the draft stays sure (:meth:`unsure`), else k."""
-        return max(k, min(self.k_max, remaining)) if self.mode == "auto" and k else k
+        return max(k, min(self.k_max, candidates_that_count(remaining))) if self.mode == "auto" and k else k
 
     @property
     def ratio(self) -> float:

@@ -35,7 +35,7 @@ from polspec.decoding.draft_vocab import draft_head
 from polspec.decoding.kv import PREFILL_STEP, cached_length, new_cache, prefill, trim
 from polspec.decoding.metrics import DecodeMetrics
 from polspec.decoding.params import DecodingParams
-from polspec.decoding.policy import DraftLength
+from polspec.decoding.policy import DraftLength, candidates_that_count
 from polspec.decoding.sampling import sequence_seed, token_sampler
 from polspec.decoding.speculative_sampling import shared_draft, speculative_choices
 from polspec.decoding.translate import (
@@ -255,7 +255,7 @@ def generate_speculative(
                 candidates = translate_proposal(params, tables, proposal, context, draft_side.text.lag, metrics)
             else:
                 candidates = shared.candidates(proposal, params.candidate_cap)
-            candidates = candidates[: params.max_tokens - len(committed)]
+            candidates = candidates_to_verify(candidates, remaining, eos)
             now = time.perf_counter()
             metrics.translate_s += now - clock
 
@@ -307,6 +307,15 @@ def within_draft_context(k: int, text: DraftText, metrics: DecodeMetrics | None 
     return room
 
 
+def candidates_to_verify(candidates: list[int], remaining: int, eos: set[int]) -> list[int]:
+    """The candidates a round verifies: none past what ``remaining`` tokens to go can use
+    (:func:`~polspec.decoding.policy.candidates_that_count`), nor past the first end of sequence,
+    after which nothing is committed."""
+    usable = candidates[: candidates_that_count(remaining)]
+    stop = next((i for i, token in enumerate(usable) if token in eos), None)
+    return usable if stop is None else usable[: stop + 1]
+
+
 def settle_round(
     candidates: list[int],
     choices: list[int],
@@ -336,7 +345,7 @@ def settle_round(
     stop = next((i for i, token in enumerate(new) if token in eos), None)
     if stop is not None:
         new = new[:stop]
-    inside = min(accepted, len(new))
+    inside = min(accepted, len(new) + (stop is not None))  # an accepted end of sequence is an accepted candidate
     metrics.rounds += 1
     metrics.draft_tokens += len(proposal)
     metrics.candidates += len(candidates)
