@@ -227,6 +227,20 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 
 @pytest.fixture
+def tiny_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 3 MiB tmpfs, unmounted afterwards: needs root and mount, and skips without them."""
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("a full-disk test needs root to mount a small tmpfs")
+    mountpoint = tmp_path / "tiny"
+    mountpoint.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mountpoint)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    yield mountpoint
+    subprocess.run(["umount", str(mountpoint)], check=True)
+
+
+@pytest.fixture
 def home_with_models(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A fresh POLSPEC_HOME for this test that shares the real model cache (models are not refetched)."""
     from polspec.settings import polspec_home

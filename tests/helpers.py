@@ -16,7 +16,7 @@ from sqlalchemy import func, select
 
 from polspec.cli import main
 from polspec.store.engine import make_engine, session_scope
-from polspec.store.schema import Item, Status
+from polspec.store.schema import Item, Result, Status
 from polspec.worker import run as worker_run
 from polspec.worker.model_cache import ModelCache
 from conftest import resident_or_load
@@ -93,3 +93,23 @@ def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout} s waiting for {what}")
         time.sleep(0.1)
+
+
+def new_result(item: Item, **energy: object) -> Result:
+    """A result for ``item`` as a worker stores one (its energy unavailable unless ``energy`` says)."""
+    energy = energy or {"energy_joules": None, "energy_unavailable_reason": "no power meter on Linux CPU"}
+    return Result(
+        item_id=item.id,
+        text="Płynie Wisła płynie…",
+        token_ids=[1, 2, 3],
+        metrics={"acceptance_rate": 0.5, "rounds": 3},
+        prompt_tokens=7,
+        generated_tokens=3,
+        decode_tokens_per_s=12.5,
+        acceptance_rate=0.5,
+        backend="mlx-cpu",
+        device="cpu",
+        versions={"polspec": "0.1.0"},
+        timings={"decode_s": 0.24},
+        **energy,
+    )

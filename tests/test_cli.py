@@ -19,6 +19,8 @@ from polspec.cli import main
 from polspec.cli.doctor import _redis_report
 from polspec.cli.options import note_if_the_draft_is_the_target
 from polspec.cli.worker import BatchSize
+from polspec.decoding.params import DecodingParams
+from polspec.decoding.run import generate
 from polspec.models.fetch import fetch_wheel_source
 from polspec.models.registry import load_registry
 from polspec.models.sources import parse_source
@@ -243,6 +245,8 @@ def test_generate_streams_greedy_polish_and_reports_json(gemma3, resident_models
     assert code == 0, output
     result = json.loads(output)
     assert result["metrics"]["generated_tokens"] == len(result["token_ids"]) == 12
+    # What the library decodes greedily in the model's default (chat) mode: the CLI passed it on.
+    assert result["token_ids"] == generate(gemma3, None, "Kraków jest", DecodingParams(max_tokens=12)).token_ids
     assert result["text"] == gemma3.tokenizer.decode(result["token_ids"])
     assert result["draft"] == "none" and result["spans"] == [[result["text"], False]]
     code, streamed = invoke("generate", "Kraków jest", "--target", "gemma3-270m", "--max-tokens", "12")

@@ -29,10 +29,10 @@ from polspec.jobs.control import cancel, retry
 from polspec.jobs import enqueue as enqueue_module
 from polspec.jobs.queue import JOB_TIMEOUT_BASE_S, JOB_TIMEOUT_PER_TOKEN_S, enqueue_items, fetch_jobs, job_id
 from polspec.store.engine import make_engine, session_scope
-from polspec.store.items import Worker, claim_item, database_id
+from polspec.store.items import Worker, claim_item, database_id, finish_item
 from polspec.store.migrate import upgrade
-from polspec.store.schema import Batch, Item, Status
-from helpers import wait_for
+from polspec.store.schema import Batch, Item, Result, Status
+from helpers import new_result, wait_for
 
 GOOD = [
     {"id": "a", "prompt": "Jaka jest stolica Czech?"},
@@ -441,7 +441,8 @@ def test_redis_failing_while_enqueueing_leaves_the_database_as_it_was(env, tmp_p
 def test_an_undone_enqueue_into_a_finished_batch_settles_it_by_the_items_it_keeps(env, tmp_path, monkeypatch):
     """A worker claimed one of the new items, marking the batch running, before Redis failed on a
     later chunk of jobs: the undo deleted the new items but left the batch running, for good
-    (no item was left to finish it), where it had been done."""
+    (no item was left to finish it), where it had been done. Now the claimed item stays, and the
+    batch runs until it ends; the unclaimed one goes, with its job."""
     source = write_jsonl(tmp_path / "p.jsonl", GOOD)
     assert invoke(env, "--input", str(source), "--name", "nightly", "--target", "smollm2-135m")[0] == 0
     jobs_before = set(redis.Redis.from_url(env["POLSPEC_REDIS_URL"]).keys("rq:job:*"))
@@ -451,19 +452,50 @@ def test_an_undone_enqueue_into_a_finished_batch_settles_it_by_the_items_it_keep
         session.scalar(select(Batch)).status = "done"
 
     def enqueue_then_fail(connection, name, db_id, items):
-        enqueue_items(connection, name, db_id, items)  # the first chunk's jobs went in,
+        enqueue_items(connection, name, db_id, items[:1])  # the first chunk's jobs went in,
         claim_item(engine, items[0][0], Worker("elsewhere", 1))  # a worker took one of them,
         raise redis.ResponseError("OOM command not allowed when used memory > 'maxmemory'.")  # the next failed
 
     monkeypatch.setattr(enqueue_module, "enqueue_items", enqueue_then_fail)
-    more = write_jsonl(tmp_path / "more.jsonl", [*GOOD, {"id": "d", "prompt": "Kto napisał Lalkę?"}])
+    more = write_jsonl(tmp_path / "more.jsonl", [*GOOD, {"id": "d", "prompt": "Kto napisał Lalkę?"},
+                                                 {"id": "e", "prompt": "Kto napisał Chłopów?"}])
     code, output = invoke(env, "--input", str(more), "--name", "nightly", "--target", "smollm2-135m")
-    assert code == 1 and output.endswith("; nothing was added to the database\n"), output
+    assert code == 1 and output.endswith("; of the 2 items it added, batch 1 keeps the 1 a worker had already taken "
+                                         "(their results with them) and the rest were removed\n"), output
     with session_scope(engine) as session:
-        assert [(batch.name, batch.status) for batch in session.scalars(select(Batch))] == [("nightly", "done")]
-        assert session.scalar(select(func.count()).select_from(Item)) == 3
+        assert [(batch.name, batch.status) for batch in session.scalars(select(Batch))] == [("nightly", "running")]
+        assert [(item.item_key, item.status) for item in session.scalars(select(Item).order_by(Item.id))] == \
+            [("a", "done"), ("b", "done"), ("3", "done"), ("d", "running")]
+        claimed = session.scalar(select(Item.id).where(Item.item_key == "d"))
+    kept_job = f"rq:job:{job_id(database_id(engine), claimed)}".encode()
     engine.dispose()
-    assert set(redis.Redis.from_url(env["POLSPEC_REDIS_URL"]).keys("rq:job:*")) == jobs_before
+    assert set(redis.Redis.from_url(env["POLSPEC_REDIS_URL"]).keys("rq:job:*")) - jobs_before == {kept_job}
+
+
+def test_an_undone_enqueue_keeps_the_results_workers_stored_meanwhile(env, tmp_path, monkeypatch):
+    """Redis failed (or the user pressed Ctrl+C) after the first chunk of a large new batch went
+    in, and a worker had decoded some of it: the undo deleted the batch, and with it the results
+    it had stored and the item it was decoding (whose result was then dropped)."""
+    engine = make_engine(env["POLSPEC_DB_URL"])
+
+    def enqueue_then_fail(connection, name, db_id, items):
+        enqueue_items(connection, name, db_id, items[:2])  # the first chunk's jobs went in;
+        me = Worker("elsewhere", 1)
+        claim_item(engine, items[0][0], me)  # a worker decoded the first item,
+        assert finish_item(engine, items[0][0], me, new_result(Item(id=items[0][0])))
+        claim_item(engine, items[1][0], me)  # and took the second,
+        raise KeyboardInterrupt  # when the user pressed Ctrl+C
+
+    monkeypatch.setattr(enqueue_module, "enqueue_items", enqueue_then_fail)
+    code, output = invoke(env, "--input", str(write_jsonl(tmp_path / "p.jsonl", GOOD)), "--target", "smollm2-135m")
+    assert code == 1 and output == ("polspec: error: interrupted; of the 3 items it added, batch 1 keeps the 2 a worker "
+                                    "had already taken (their results with them) and the rest were removed\n"), output
+    with session_scope(engine) as session:
+        assert [(batch.id, batch.status) for batch in session.scalars(select(Batch))] == [(1, "running")]
+        assert [(item.item_key, item.status) for item in session.scalars(select(Item).order_by(Item.id))] == \
+            [("a", "done"), ("b", "running")]
+        assert session.scalar(select(func.count()).select_from(Result)) == 1
+    engine.dispose()
 
 
 def test_cancel_retry_and_recover_say_what_holds_when_redis_refuses_writes(env, tmp_path, redis_server, closed_port):

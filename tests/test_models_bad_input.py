@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -359,20 +358,6 @@ def test_a_registry_file_that_cannot_be_read_is_one_line(isolated_home):
     user_file.mkdir()
     code, output = run_cli("models", "list")
     assert code == 1 and output == f"polspec: error: {user_file}: Is a directory\n"
-
-@pytest.fixture
-def tiny_disk(tmp_path):
-    """A 3 MiB tmpfs: needs root and mount; skipped with the reason elsewhere."""
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("a full-disk test needs root to mount a small tmpfs")
-    mountpoint = tmp_path / "tiny"
-    mountpoint.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mountpoint)], capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
-    yield mountpoint
-    subprocess.run(["umount", str(mountpoint)], check=True)
-
 
 @pytest.mark.slow
 def test_full_disk_during_fetch_removes_partial_files(tiny_disk, monkeypatch):

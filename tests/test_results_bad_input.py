@@ -4,8 +4,6 @@ a non-zero exit, and nothing written or created. Real redis-server and SQLite; n
 from __future__ import annotations
 
 import contextlib
-import errno
-import io
 import json
 import os
 import platform
@@ -21,7 +19,6 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from matplotlib.figure import Figure
 from sqlalchemy import make_url
 
 from polspec.cli import main
@@ -239,7 +236,7 @@ def test_an_output_that_cannot_be_written_is_one_line_and_leaves_nothing(sqlite_
     assert sorted(path.name for path in tmp_path.iterdir()) == ["a-file", "data"]
 
 
-def test_a_report_or_its_plots_that_cannot_be_written_leave_nothing_behind(sqlite_env, tmp_path, monkeypatch):
+def test_a_report_or_its_plots_that_cannot_be_written_leave_nothing_behind(sqlite_env, tmp_path):
     sweep = tmp_path / "sweep.toml"
     sweep.write_text('target = "gemma3-270m"\ndrafts = ["smollm2-135m"]\ndatasets = [{ name = "pl-short", limit = 1 }]\n')
     code, output = cli(sqlite_env, "enqueue", "sweep", "--config", str(sweep), "--json")
@@ -275,19 +272,22 @@ def test_a_report_or_its_plots_that_cannot_be_written_leave_nothing_behind(sqlit
     assert output.endswith(f"sweep {sweep_id} has no speculative results yet (0 of 2 generations done), so its tables are empty\n")
     assert f"wrote {report}\n" in output and len(list(plots.glob("*.png"))) == 3
 
-    # A disk that fills while a plot is written: savefig wrote into the old plot in place, and
-    # the report left it cut off.
+
+def test_plots_on_a_disk_that_fills_stay_whole(sqlite_env, tmp_path, tiny_disk):
+    """savefig wrote into the old plot in place: a disk that filled while a plot was written
+    left it cut off."""
+    sweep = tmp_path / "sweep.toml"
+    sweep.write_text('target = "gemma3-270m"\ndrafts = ["smollm2-135m"]\ndatasets = [{ name = "pl-short", limit = 1 }]\n')
+    code, output = cli(sqlite_env, "enqueue", "sweep", "--config", str(sweep), "--json")
+    assert code == 0, output
+    sweep_id = json.loads(output)["batch"]
+    plots = tiny_disk / "plots"
+    code, output = cli(sqlite_env, "report", str(sweep_id), "--plots", str(plots))
+    assert code == 0 and len(list(plots.glob("*.png"))) == 3, output
     before = {path.name: path.read_bytes() for path in plots.iterdir()}
-    save = Figure.savefig
-
-    def fills_the_disk(figure, target, **options):
-        whole = io.BytesIO()
-        save(figure, whole, **options)
-        with open(target, "wb") if isinstance(target, (str, Path)) else contextlib.nullcontext(target) as handle:
-            handle.write(whole.getvalue()[:1000])
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(Figure, "savefig", fills_the_disk)
+    with contextlib.suppress(OSError), open(tiny_disk / "filler", "wb", buffering=0) as filler:
+        while True:  # until the disk is full
+            filler.write(b"\0" * 65536)
     code, output = cli(sqlite_env, "report", str(sweep_id), "--plots", str(plots))
     assert code == 1 and re.fullmatch(rf"polspec: error: {re.escape(str(plots))}/[a-z-]+\.png: cannot write there: "
                                       r"No space left on device\n", output), output

@@ -7,6 +7,7 @@ Runs on a real SQLite file, and on PostgreSQL too when ``POLSPEC_TEST_PG_URL`` n
 from __future__ import annotations
 
 import json
+import re
 import multiprocessing
 import shutil
 import subprocess
@@ -59,7 +60,7 @@ from polspec.store.migrate import (
 from polspec.store.queries import batch_progress, item_detail, item_rows, run_sql
 from polspec.store.schema import Batch, Cell, EnergyWindow, Item, Result, Status, metadata, utcnow
 from conftest import sqlite_url
-from helpers import wait_for
+from helpers import new_result, wait_for
 import store_procs
 
 TABLES = {"batches", "cells", "items", "results", "energy_windows", "polspec_meta", "alembic_version"}
@@ -85,25 +86,6 @@ def new_item(session: Session, batch: Batch, key: str) -> Item:
     session.add(item)
     session.flush()
     return item
-
-
-def new_result(item: Item, **energy: object) -> Result:
-    energy = energy or {"energy_joules": None, "energy_unavailable_reason": "no power meter on Linux CPU"}
-    return Result(
-        item_id=item.id,
-        text="Płynie Wisła płynie…",
-        token_ids=[1, 2, 3],
-        metrics={"acceptance_rate": 0.5, "rounds": 3},
-        prompt_tokens=7,
-        generated_tokens=3,
-        decode_tokens_per_s=12.5,
-        acceptance_rate=0.5,
-        backend="mlx-cpu",
-        device="cpu",
-        versions={"polspec": "0.1.0"},
-        timings={"decode_s": 0.24},
-        **energy,
-    )
 
 
 def table_names(url: str) -> set[str]:
@@ -163,7 +145,9 @@ def test_upgrade_from_0001_keeps_the_rows_and_gives_the_database_an_id(db_url: s
     with session_scope(engine) as session:
         item = session.scalar(select(Item))
         assert (item.item_key, item.status, item.worker_pid, item.heartbeat_at) == ("a", "running", None, None)
-    assert len(database_id(engine)) == 12 and database_id(engine) == database_id(engine)
+    with engine.connect() as connection:  # the migration's id, read before database_id() could make one
+        (made,) = connection.execute(text("SELECT value FROM polspec_meta WHERE key = 'database_id'")).scalars().all()
+    assert re.fullmatch("[0-9a-f]{12}", made) and database_id(engine) == made
     engine.dispose()
 
 
@@ -943,6 +927,27 @@ def test_eta_counts_parallel_workers_once_and_skips_idle_hours(engine: Engine) -
     (progress,) = batch_progress(engine, batch.id)
     assert progress.busy_s == 150
     assert progress.eta_s == pytest.approx(100)
+
+
+def test_a_watch_reads_again_only_the_batches_that_may_have_changed(engine: Engine) -> None:
+    """status --watch read every result of every batch ever run, every two seconds. A batch done
+    (or failed) then and now is the earlier read's; one reopened since is read again."""
+    with session_scope(engine) as session:
+        done, running = new_batch(session), new_batch(session)
+        for batch, status in ((done, "done"), (running, "running")):
+            item = new_item(session, batch, "a")
+            item.status = batch.status = status
+            if status == "done":
+                session.add(new_result(item))
+    before = {progress.id: progress for progress in batch_progress(engine)}
+    again = {progress.id: progress for progress in batch_progress(engine, before=before.values())}
+    assert again[done.id] is before[done.id] and again[running.id] is not before[running.id]
+    assert again[running.id] == before[running.id]  # read again, to the same numbers
+    with session_scope(engine) as session:  # a retry reopens the done batch
+        session.get(Batch, done.id).status = "queued"
+        session.scalar(select(Item).where(Item.batch_id == done.id)).status = "queued"
+    reopened = {progress.id: progress for progress in batch_progress(engine, before=again.values())}
+    assert (reopened[done.id].status, reopened[done.id].counts) == ("queued", {"queued": 1})
 
 
 def test_throughput_leaves_out_the_model_load_and_probe_an_item_waited_for(engine: Engine) -> None:

@@ -91,7 +91,7 @@ def _refreshes(engine, batch_id: int | None, batches: list[BatchProgress],
 
     while any(batch.status in UNFINISHED for batch in batches):
         time.sleep(interval)
-        batches = batch_progress(engine, batch_id)
+        batches = batch_progress(engine, batch_id, before=batches)
         yield batches
 
 

@@ -99,7 +99,9 @@ def recover(engine: Engine, connection: redis.Redis, batch_id: int | None = None
     # a minute and gigabytes. Running items, a few per worker, are read whole for owner_gone.
     batch_only = [Item.batch_id == batch_id] if batch_id is not None else []
     cancelled = Batch.status == Status.CANCELLED.value
-    with session_scope(engine) as session:
+    # Reads only (each change below is a compare-and-set of its own): on SQLite a write lock
+    # held while reading every queued and running item held up every worker's claim and finish.
+    with session_scope(engine, reads_only=True) as session:
         now = database_now(session)
         queued = session.execute(select(Item.id, Item.batch_id, max_tokens()).join(Batch)
                                  .where(Item.status == Status.QUEUED.value, ~cancelled, *batch_only)

@@ -22,7 +22,7 @@ from sqlalchemy.orm import Session
 
 from polspec.errors import PolspecError
 from polspec.jobs.queue import connect, delete_jobs, display_redis_url, enqueue_items, job_id, queue_name
-from polspec.jobs.control import recover
+from polspec.jobs.control import counted, recover
 from polspec.jobs.spec import GenerateSpec, ItemInput, check_items_fit, check_models
 from polspec.jobs.sweep import SweepPlan
 from polspec.settings import redis_url
@@ -156,31 +156,41 @@ _CHAT_MODES = {None: "chat where the target has a template (the default)", False
 def _enqueue_or_undo(engine: Engine, connection: redis.Redis, queue_url: str, name: str,
                      items: list[tuple[int, int]], batch_id: int, created: bool) -> None:
     """Enqueue the jobs of rows just written; if Redis fails, or the user interrupts, delete those
-    rows again (the whole batch when it was ``created`` here; else the batch is settled by the
-    items it keeps) and the jobs already enqueued, so that nothing is left half-created."""
+    rows again, and the jobs already enqueued, so that nothing is left half-created. Rows a worker
+    has taken meanwhile (from the jobs of a chunk already enqueued) stay, with the batch, which
+    is settled by its items: deleting them would delete their results, or drop the one decoding."""
     try:
         enqueue_items(connection, name, database_id(engine), items)
     except (redis.RedisError, KeyboardInterrupt) as error:
-        # The rows first, in one quick statement: a second Ctrl+C during the slower removal of
-        # the jobs then leaves jobs that find no item, which a worker skips.
+        # The rows first, in quick statements: a second Ctrl+C during the slower removal of the
+        # jobs then leaves jobs that find no item, which a worker skips.
+        ids, kept = [item_id for item_id, _ in items], set()
         with session_scope(engine) as session:
-            if created:
+            for start in range(0, len(ids), IDS_PER_STATEMENT):
+                chunk = ids[start:start + IDS_PER_STATEMENT]
+                # Untouched only; on PostgreSQL a row a worker is claiming waits for its claim and
+                # is then read again, so a claimed row is never deleted.
+                session.execute(delete(Item).where(Item.id.in_(chunk), Item.status == Status.QUEUED.value,
+                                                   Item.attempts == 0))
+                kept.update(session.scalars(select(Item.id).where(Item.id.in_(chunk))))
+            if created and not kept:
                 session.execute(delete(Batch).where(Batch.id == batch_id))
             else:
-                ids = [item_id for item_id, _ in items]
-                for start in range(0, len(ids), IDS_PER_STATEMENT):
-                    session.execute(delete(Item).where(Item.id.in_(ids[start:start + IDS_PER_STATEMENT])))
                 # By its items, not back to its status before: a worker may have claimed a new
                 # item meanwhile and marked the batch running, which no item left would end.
                 settle_batch(session, session.get(Batch, batch_id))
         try:
-            delete_jobs(connection, [job_id(database_id(engine), item_id) for item_id, _ in items])
+            delete_jobs(connection, [job_id(database_id(engine), item_id) for item_id in ids if item_id not in kept])
         except redis.RedisError:
             pass  # those left behind find no item, as above
-        if isinstance(error, KeyboardInterrupt):
-            raise
-        raise PolspecError(f"Redis at {display_redis_url(queue_url)} failed while enqueueing ({error}); "
-                           "nothing was added to the database") from None
+        what = "interrupted" if isinstance(error, KeyboardInterrupt) else \
+            f"Redis at {display_redis_url(queue_url)} failed while enqueueing ({error})"
+        if not kept:
+            if isinstance(error, KeyboardInterrupt):
+                raise
+            raise PolspecError(f"{what}; nothing was added to the database") from None
+        raise PolspecError(f"{what}; of the {counted(len(ids))} it added, batch {batch_id} keeps the {len(kept)} a "
+                           "worker had already taken (their results with them) and the rest were removed") from None
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import ColumnElement, Engine, func, select, update
+from sqlalchemy import ColumnElement, Engine, exists, func, select, update
 from sqlalchemy.orm import Session
 
 from polspec.processes import pid_alive, this_host_and_boot
@@ -283,12 +283,17 @@ def settle_batch(session: Session, batch: Batch) -> None:
     session.refresh(batch, with_for_update=True)
     if batch.status == Status.CANCELLED.value:
         return
-    statuses = set(session.scalars(select(Item.status).where(Item.batch_id == batch.id).distinct()))
-    if statuses == {Status.QUEUED.value}:
+
+    def any_item(*statuses: str) -> bool:
+        # One index probe per status (ix_items_batch_id_status): this runs at every finish,
+        # inside the write lock, and a DISTINCT over the batch's statuses read all its items.
+        return session.scalar(select(exists().where(Item.batch_id == batch.id, Item.status.in_(statuses))))
+
+    if any_item(Status.QUEUED.value) and not any_item(*(status.value for status in Status if status != Status.QUEUED)):
         batch.status = Status.QUEUED.value
-    elif statuses & set(UNFINISHED):
+    elif any_item(*UNFINISHED):
         batch.status = Status.RUNNING.value
-    elif Status.FAILED.value in statuses:
+    elif any_item(Status.FAILED.value):
         batch.status = Status.FAILED.value
     else:
         batch.status = Status.DONE.value

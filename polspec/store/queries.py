@@ -21,6 +21,9 @@ from polspec.store.items import UNFINISHED, item_spec
 from polspec.store.schema import Batch, Cell, EnergyWindow, Item, Result, Status
 
 
+ENDED = (Status.DONE.value, Status.FAILED.value)  # a batch in either has no item left to change
+
+
 @dataclass
 class BatchProgress:
     """Where a batch stands: item counts per status, speed so far and the time left."""
@@ -102,18 +105,28 @@ def require_batch(engine: Engine, batch_id: int) -> None:
         find_batch(session, batch_id)
 
 
-def batch_progress(engine: Engine, batch_id: int | None = None) -> list[BatchProgress]:
-    """Progress of one batch, or of every batch (newest first)."""
+def batch_progress(engine: Engine, batch_id: int | None = None,
+                   before: Iterable[BatchProgress] = ()) -> list[BatchProgress]:
+    """Progress of one batch, or of every batch (newest first). ``before``: an earlier read, whose
+    batches done or failed then and now are taken from it, not read again (a watch every few
+    seconds read every result of every batch ever run)."""
+    ended = {batch.id: batch for batch in before if batch.status in ENDED}
     with session_scope(engine, reads_only=True) as session:
         query = select(Batch).order_by(Batch.id.desc())
         if batch_id is not None:
             query = query.where(Batch.id == batch_id)
-        batches = {batch.id: BatchProgress(batch.id, batch.name, batch.kind, batch.status, batch.spec.get("target", ""),
-                                           _drafts(batch.spec), batch.created_at)
-                   for batch in session.scalars(query)}
+
+        def progress_of(batch: Batch) -> BatchProgress:
+            earlier = ended.get(batch.id)
+            if earlier is not None and earlier.status == batch.status:
+                return earlier
+            return BatchProgress(batch.id, batch.name, batch.kind, batch.status, batch.spec.get("target", ""),
+                                 _drafts(batch.spec), batch.created_at)
+
+        batches = {batch.id: progress_of(batch) for batch in session.scalars(query)}
         if batch_id is not None and not batches:
             find_batch(session, batch_id)
-        ids = list(batches)
+        ids = [batch.id for batch in batches.values() if ended.get(batch.id) is not batch]
         for batch, status, count in session.execute(
                 select(Item.batch_id, Item.status, func.count()).where(Item.batch_id.in_(ids))
                 .group_by(Item.batch_id, Item.status)):

@@ -107,15 +107,16 @@ def when_the_database_answers(write: Callable[[], T], what: str) -> T:
     locked past its busy timeout by a long writer) for as long as it takes; ``what`` names what
     it records, for the log. Only a forced stop (a second Ctrl+C) gives it up. RQ's job timeout
     bounds the decoding, not this wait, and is switched off first: it would end the wait and
-    lose what was decoded."""
+    lose what was decoded (a write that waits on a busy SQLite past it was rolled back, and the
+    item failed on its last try)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.alarm(0)  # RQ's UnixSignalDeathPenalty: its alarm, where a job runs alone
     pause = FIRST_PAUSE_S
     while True:
         try:
             answer = write()
         except DatabaseFailure as error:
             if pause == FIRST_PAUSE_S:
-                if threading.current_thread() is threading.main_thread():
-                    signal.alarm(0)  # RQ's UnixSignalDeathPenalty: its alarm, where a job runs alone
                 log.warning("the database failed (%s): %s waits in this worker until it answers", error, what)
             time.sleep(pause)
             pause = min(pause * 2, WAIT_MAX_S)
