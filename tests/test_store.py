@@ -931,7 +931,8 @@ def test_eta_counts_parallel_workers_once_and_skips_idle_hours(engine: Engine) -
 
 def test_a_watch_reads_again_only_the_batches_that_may_have_changed(engine: Engine) -> None:
     """status --watch read every result of every batch ever run, every two seconds. A batch done
-    (or failed) then and now is the earlier read's; one reopened since is read again."""
+    (or failed) then and now, with the same items per status, is the earlier read's; one reopened
+    since, or done again with more items between two reads, is read again."""
     with session_scope(engine) as session:
         done, running = new_batch(session), new_batch(session)
         for batch, status in ((done, "done"), (running, "running")):
@@ -948,6 +949,14 @@ def test_a_watch_reads_again_only_the_batches_that_may_have_changed(engine: Engi
         session.scalar(select(Item).where(Item.batch_id == done.id)).status = "queued"
     reopened = {progress.id: progress for progress in batch_progress(engine, before=again.values())}
     assert (reopened[done.id].status, reopened[done.id].counts) == ("queued", {"queued": 1})
+    with session_scope(engine) as session:  # an item added and done, the batch done again, between two reads
+        item = new_item(session, session.get(Batch, done.id), "b")
+        item.status = "done"
+        session.add(new_result(item))
+        session.get(Batch, done.id).status = "done"
+        session.scalar(select(Item).where(Item.batch_id == done.id, Item.item_key == "a")).status = "done"
+    grown = {progress.id: progress for progress in batch_progress(engine, before=again.values())}
+    assert (grown[done.id].counts, grown[done.id].generated_tokens) == ({"done": 2}, 6)
 
 
 def test_throughput_leaves_out_the_model_load_and_probe_an_item_waited_for(engine: Engine) -> None:

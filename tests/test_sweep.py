@@ -29,6 +29,7 @@ from polspec.decoding.params import DecodingParams
 from polspec.decoding.probe_files import save_probe
 from polspec.errors import PolspecError
 from polspec.jobs.spec import ITEM_PARAMS
+from polspec.jobs import enqueue as enqueue_module
 from polspec.jobs import sweep as sweep_module
 from polspec.jobs.sweep import expand_sweep, load_sweep
 from polspec.report.render import markdown
@@ -37,6 +38,7 @@ from polspec.report.summary import (CellKey, Pair, Row, SweepReport, Window, cel
                                     predicted_speedup_of_cell, row_order, sweep_report)
 from polspec.report.summary import headline as summary_headline
 from polspec.store.engine import make_engine, session_scope
+from polspec.store.items import Worker, claim_item
 from polspec.store.migrate import upgrade
 from polspec.store.schema import Batch, Cell, EnergyWindow, Item, Result, utcnow
 from conftest import sqlite_url
@@ -662,6 +664,31 @@ def test_a_resume_that_redis_refuses_says_the_sweep_is_reopened_and_how_it_gets_
     assert {item.status for _, item, _ in stored(env).values()} == {"queued"}
     assert cli(env, "recover", "--batch", str(batch))[0] == 0
     assert connection.llen("rq:queue:polspec-gemma3-270m") == 10
+
+
+def test_an_interrupted_sweep_a_worker_had_begun_stays_whole_and_resumes(env, tmp_path, monkeypatch):
+    """Ctrl+C after a worker had taken a sweep's first item: the undo kept that item and deleted
+    the rest, and the sweep, missing items, could never be resumed. It now stays whole."""
+    sweep_file = tmp_path / "small.toml"
+    sweep_file.write_text(SMALL)
+    enqueue_items = enqueue_module.enqueue_items
+
+    def enqueue_then_interrupt(connection, name, db_id, items):
+        enqueue_items(connection, name, db_id, items[:3])  # the first chunk's jobs went in,
+        engine = make_engine(env["POLSPEC_DB_URL"])
+        claim_item(engine, items[0][0], Worker("elsewhere", 1))  # a worker took one,
+        engine.dispose()
+        raise KeyboardInterrupt  # and the user pressed Ctrl+C
+
+    monkeypatch.setattr(enqueue_module, "enqueue_items", enqueue_then_interrupt)
+    code, output = cli(env, "enqueue", "sweep", "--config", str(sweep_file))
+    assert (code, output) == (1, "polspec: error: interrupted; sweep 1 was already being decoded, so it stays whole: "
+                                 "run the sweep again to queue the rest, or polspec cancel 1\n")
+    assert sorted(item.status for _, item, _ in stored(env).values()) == ["queued"] * 9 + ["running"]
+    monkeypatch.setattr(enqueue_module, "enqueue_items", enqueue_items)
+    code, output = cli(env, "enqueue", "sweep", "--config", str(sweep_file), "--json")
+    assert code == 0 and json.loads(output)["resumed"], output
+    assert redis.Redis.from_url(env["POLSPEC_REDIS_URL"]).llen("rq:queue:polspec-gemma3-270m") == 10
 
 
 def test_an_edited_sweep_file_tells_that_its_earlier_sweep_is_still_queued(env, tmp_path):

@@ -96,6 +96,16 @@ class _Sequence:
         return self.draft_text.lag if self.draft_text else b""
 
     @property
+    def remaining(self) -> int:
+        return self.params.max_tokens - len(self.committed)
+
+    @property
+    def k_this_round(self) -> int:
+        """Its policy's k as far as the tokens left can use it (:func:`candidates_that_count`);
+        0 target-only."""
+        return min(self.policy.k, candidates_that_count(self.remaining)) if self.policy else 0
+
+    @property
     def past_draft_context(self) -> bool:
         """Its text leaves the draft no room (:meth:`DraftText.room`): from here it decodes plainly
         and its draft row is fed nothing more."""
@@ -187,17 +197,15 @@ class BatchDecoder:
                 sequence.policy.k = min(k, sequence.policy.k_max)
         elif auto:  # a row alone: its own k, as one sequence decoded on its own
             sequence = auto[0]
-            sequence.policy.k = sequence.policy.k_within(sequence.params.max_tokens - len(sequence.committed),
-                                                         sequence.draft_text.unfed)
+            sequence.policy.k = sequence.policy.k_within(sequence.remaining, sequence.draft_text.unfed)
 
-        remaining = [s.params.max_tokens - len(s.committed) for s in self.rows]
-        wanted = [min(s.policy.k, candidates_that_count(left)) if s.policy else 0 for s, left in zip(self.rows, remaining)]
-        cold = [row for row, s in enumerate(self.rows) if wanted[row] and not s.draft_warm and not s.past_draft_context]
+        cold = [row for row, s in enumerate(self.rows) if s.k_this_round and not s.draft_warm and not s.past_draft_context]
         if cold:
-            self._warm(cold)
+            self._warm(cold)  # which reorders the rows
         clock = time.perf_counter()
-        ks = [within_draft_context(k, s.draft_text, s.metrics, len(s.committed)) if s.policy else 0
-              for s, k in zip(self.rows, wanted)]
+        remaining = [s.remaining for s in self.rows]
+        ks = [within_draft_context(s.k_this_round, s.draft_text, s.metrics, len(s.committed)) if s.policy else 0
+              for s in self.rows]
         floors = [_floor(s, k) for s, k in zip(self.rows, ks)]
         if auto and batch == 1:
             ks = [within_draft_context(auto[0].policy.most_within(ks[0], remaining[0]), auto[0].draft_text)]
@@ -277,7 +285,7 @@ class BatchDecoder:
         first position (the prompt of a row that has not proposed yet, the plain stretch of
         one that has)."""
         unfed = sum(s.draft_text.unfed for s in auto)
-        remaining = statistics.fmean(s.params.max_tokens - len(s.committed) for s in auto)
+        remaining = statistics.fmean(s.remaining for s in auto)
         return shared_auto_k([s.policy for s in auto], self.probe.at_batch(batch), batch, remaining,
                              self.probe.draft_feed_steps(unfed, batch))
 

@@ -158,7 +158,9 @@ def _enqueue_or_undo(engine: Engine, connection: redis.Redis, queue_url: str, na
     """Enqueue the jobs of rows just written; if Redis fails, or the user interrupts, delete those
     rows again, and the jobs already enqueued, so that nothing is left half-created. Rows a worker
     has taken meanwhile (from the jobs of a chunk already enqueued) stay, with the batch, which
-    is settled by its items: deleting them would delete their results, or drop the one decoding."""
+    is settled by its items: deleting them would delete their results, or drop the one decoding.
+    A sweep some of whose rows were taken stays whole, for its resume to queue the rest (a sweep
+    missing items could not be resumed)."""
     try:
         enqueue_items(connection, name, database_id(engine), items)
     except (redis.RedisError, KeyboardInterrupt) as error:
@@ -166,6 +168,7 @@ def _enqueue_or_undo(engine: Engine, connection: redis.Redis, queue_url: str, na
         # jobs then leaves jobs that find no item, which a worker skips.
         ids, kept = [item_id for item_id, _ in items], set()
         with session_scope(engine) as session:
+            undo = session.begin_nested()
             for start in range(0, len(ids), IDS_PER_STATEMENT):
                 chunk = ids[start:start + IDS_PER_STATEMENT]
                 # Untouched only; on PostgreSQL a row a worker is claiming waits for its claim and
@@ -173,18 +176,28 @@ def _enqueue_or_undo(engine: Engine, connection: redis.Redis, queue_url: str, na
                 session.execute(delete(Item).where(Item.id.in_(chunk), Item.status == Status.QUEUED.value,
                                                    Item.attempts == 0))
                 kept.update(session.scalars(select(Item.id).where(Item.id.in_(chunk))))
-            if created and not kept:
-                session.execute(delete(Batch).where(Batch.id == batch_id))
+            batch = session.get(Batch, batch_id)
+            whole = bool(kept) and batch.kind == "sweep"
+            if whole:
+                undo.rollback()
             else:
-                # By its items, not back to its status before: a worker may have claimed a new
-                # item meanwhile and marked the batch running, which no item left would end.
-                settle_batch(session, session.get(Batch, batch_id))
+                undo.commit()
+                if created and not kept:
+                    session.execute(delete(Batch).where(Batch.id == batch_id))
+                else:
+                    # By its items, not back to its status before: a worker may have claimed a new
+                    # item meanwhile and marked the batch running, which no item left would end.
+                    settle_batch(session, batch)
+        what = "interrupted" if isinstance(error, KeyboardInterrupt) else \
+            f"Redis at {display_redis_url(queue_url)} failed while enqueueing ({error})"
+        if whole:
+            when = "" if isinstance(error, KeyboardInterrupt) else " once Redis takes writes"
+            raise PolspecError(f"{what}; sweep {batch_id} was already being decoded, so it stays whole: run the "
+                               f"sweep again{when} to queue the rest, or polspec cancel {batch_id}") from None
         try:
             delete_jobs(connection, [job_id(database_id(engine), item_id) for item_id in ids if item_id not in kept])
         except redis.RedisError:
             pass  # those left behind find no item, as above
-        what = "interrupted" if isinstance(error, KeyboardInterrupt) else \
-            f"Redis at {display_redis_url(queue_url)} failed while enqueueing ({error})"
         if not kept:
             if isinstance(error, KeyboardInterrupt):
                 raise

@@ -43,23 +43,22 @@ _ENQUEUE_CHUNK = 1000
 # Jobs read per pipeline by job_states: its replies are held in memory until it returns.
 _READ_CHUNK = 10_000
 # Removes the ids ARGV from the list KEYS[1] in one atomic pass (a worker's pop waits for it),
-# keeping the others in order; returns how many it removed. unpack() is fed slices: Lua's stack
+# keeping the others in order; returns the ids it removed. unpack() is fed slices: Lua's stack
 # takes a few thousand values at a time.
 _REMOVE_FROM_LIST = """
 local removing = {}
 for _, id in ipairs(ARGV) do removing[id] = true end
-local kept = {}
-local items = redis.call('LRANGE', KEYS[1], 0, -1)
-for _, id in ipairs(items) do
-  if not removing[id] then kept[#kept + 1] = id end
+local kept, removed = {}, {}
+for _, id in ipairs(redis.call('LRANGE', KEYS[1], 0, -1)) do
+  if removing[id] then removed[#removed + 1] = id else kept[#kept + 1] = id end
 end
-if #kept < #items then
+if #removed > 0 then
   redis.call('DEL', KEYS[1])
   for first = 1, #kept, 4000 do
     redis.call('RPUSH', KEYS[1], unpack(kept, first, math.min(first + 3999, #kept)))
   end
 end
-return #items - #kept
+return removed
 """
 
 
@@ -209,8 +208,9 @@ def delete_jobs(connection: redis.Redis, ids: Iterable[str]) -> None:
     RQ's delete takes one (out of its queue, its keys deleted) but in bulk: out of each queue in
     one pass (:data:`_REMOVE_FROM_LIST`; RQ's LREM scans the queue once per job) and its keys in
     pipelines (RQ makes several round trips per job): cancelling a sweep of 345,000 queued jobs
-    held Redis, and every worker waiting on it, for minutes. Jobs in other states, a few, go
-    through RQ's delete.
+    held Redis, and every worker waiting on it, for minutes. Only a job the pass took out of its
+    queue is surely no worker's; the others (a few: jobs in other states, or popped since they
+    were read) go through RQ's delete, which reads their state again.
     """
     ids = list(ids)
     with connection.pipeline(transaction=False) as pipeline:  # most often none exists: ask before reading them
@@ -223,15 +223,16 @@ def delete_jobs(connection: redis.Redis, ids: Iterable[str]) -> None:
         if state.status == JobStatus.QUEUED and state.origin:
             queued[state.origin].append(id_)
     remove_from_list = connection.register_script(_REMOVE_FROM_LIST)
+    taken_apart: set[str] = set()
     for origin, origin_ids in queued.items():
         for start in range(0, len(origin_ids), _READ_CHUNK):
-            chunk = origin_ids[start:start + _READ_CHUNK]
-            remove_from_list(keys=[make_queue(connection, origin).key], args=chunk)
+            removed = [id_.decode() for id_ in remove_from_list(keys=[make_queue(connection, origin).key],
+                                                                 args=origin_ids[start:start + _READ_CHUNK])]
             with connection.pipeline(transaction=False) as pipeline:
-                for job in (Job(id_, connection=connection) for id_ in chunk):
+                for job in (Job(id_, connection=connection) for id_ in removed):
                     pipeline.delete(job.key, job.dependents_key, job.dependencies_key, Result.get_key(job.id))
                 pipeline.execute()
-    taken_apart = {id_ for origin_ids in queued.values() for id_ in origin_ids}
+            taken_apart.update(removed)
     for job in fetch_jobs(connection, [id_ for id_ in states if id_ not in taken_apart]).values():
         if job is None:
             continue

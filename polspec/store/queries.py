@@ -108,29 +108,27 @@ def require_batch(engine: Engine, batch_id: int) -> None:
 def batch_progress(engine: Engine, batch_id: int | None = None,
                    before: Iterable[BatchProgress] = ()) -> list[BatchProgress]:
     """Progress of one batch, or of every batch (newest first). ``before``: an earlier read, whose
-    batches done or failed then and now are taken from it, not read again (a watch every few
-    seconds read every result of every batch ever run)."""
+    batches done or failed then and now, with the same items per status, are taken from it rather
+    than read again (a watch every few seconds read every result of every batch ever run)."""
     ended = {batch.id: batch for batch in before if batch.status in ENDED}
     with session_scope(engine, reads_only=True) as session:
         query = select(Batch).order_by(Batch.id.desc())
         if batch_id is not None:
             query = query.where(Batch.id == batch_id)
-
-        def progress_of(batch: Batch) -> BatchProgress:
-            earlier = ended.get(batch.id)
-            if earlier is not None and earlier.status == batch.status:
-                return earlier
-            return BatchProgress(batch.id, batch.name, batch.kind, batch.status, batch.spec.get("target", ""),
-                                 _drafts(batch.spec), batch.created_at)
-
-        batches = {batch.id: progress_of(batch) for batch in session.scalars(query)}
+        batches = {batch.id: BatchProgress(batch.id, batch.name, batch.kind, batch.status, batch.spec.get("target", ""),
+                                           _drafts(batch.spec), batch.created_at)
+                   for batch in session.scalars(query)}
         if batch_id is not None and not batches:
             find_batch(session, batch_id)
-        ids = [batch.id for batch in batches.values() if ended.get(batch.id) is not batch]
         for batch, status, count in session.execute(
-                select(Item.batch_id, Item.status, func.count()).where(Item.batch_id.in_(ids))
+                select(Item.batch_id, Item.status, func.count()).where(Item.batch_id.in_(list(batches)))
                 .group_by(Item.batch_id, Item.status)):
             batches[batch].counts[status] = count
+        for id_, progress in batches.items():
+            earlier = ended.get(id_)
+            if earlier is not None and (earlier.status, earlier.counts) == (progress.status, progress.counts):
+                batches[id_] = earlier
+        ids = [id_ for id_, progress in batches.items() if ended.get(id_) is not progress]
         for batch, tokens, decode_s in session.execute(
                 select(Item.batch_id, func.sum(Result.generated_tokens),
                        func.sum(Result.generated_tokens / func.nullif(Result.decode_tokens_per_s, 0)))
