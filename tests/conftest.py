@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import redis
 from sqlalchemy import create_engine, make_url
+from sqlalchemy.exc import DBAPIError
 from transformers import PreTrainedTokenizerFast
 
 from polspec import backend  # noqa: F401  (before anything imports mlx: the Linux BLAS fix)
@@ -201,11 +202,36 @@ def sqlite_url(directory: Path) -> str:
     return f"sqlite:///{directory / 'data' / 'polspec.db'}"
 
 
+# Where POLSPEC_TEST_PG_URL is not set: the PostgreSQL a development machine or CI runner serves
+# on the loopback with trust auth, if one answers. The tests of races between workers mean most
+# there (SQLite serialises every writer at BEGIN); they ran nowhere while the variable was unset.
+LOCAL_PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
+
+
+@functools.cache
+def _pg_base() -> str | None:
+    """The server PostgreSQL tests make their databases on: POLSPEC_TEST_PG_URL (``off``: none),
+    else the local one where it answers; None without one."""
+    base = os.environ.get("POLSPEC_TEST_PG_URL", "").strip()
+    if base:
+        return None if base.lower() == "off" else base
+    engine = create_engine(LOCAL_PG_URL, connect_args={"connect_timeout": 2})
+    try:
+        with engine.connect():
+            return LOCAL_PG_URL
+    except DBAPIError:
+        return None
+    finally:
+        engine.dispose()
+
+
 @pytest.fixture
 def pg_url() -> Iterator[str]:
-    base = os.environ.get("POLSPEC_TEST_PG_URL")
-    if not base:
-        pytest.skip("POLSPEC_TEST_PG_URL is not set")
+    """A fresh, empty PostgreSQL database, dropped afterwards (see :func:`_pg_base`)."""
+    base = _pg_base()
+    if base is None:
+        pytest.skip("no PostgreSQL: POLSPEC_TEST_PG_URL is not set (or is off) and none answers with trust auth "
+                    "at 127.0.0.1:5432")
     name = f"polspec_test_{uuid.uuid4().hex[:12]}"
     admin = create_engine(base, isolation_level="AUTOCOMMIT")
     with admin.connect() as connection:
@@ -220,7 +246,7 @@ def pg_url() -> Iterator[str]:
 
 @pytest.fixture(params=["sqlite", "postgresql"])
 def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    """A fresh, empty results database: SQLite, and PostgreSQL when POLSPEC_TEST_PG_URL is set."""
+    """A fresh, empty results database: SQLite, and PostgreSQL where there is one (:func:`_pg_base`)."""
     if request.param == "sqlite":
         return sqlite_url(tmp_path)
     return request.getfixturevalue("pg_url")
@@ -264,6 +290,6 @@ def sqlite_env(tmp_path: Path, redis_url: str) -> dict[str, str]:
 
 @pytest.fixture
 def any_db_env(db_url: str, redis_url: str) -> dict[str, str]:
-    """Like ``sqlite_env``, on SQLite and on PostgreSQL too when POLSPEC_TEST_PG_URL is set."""
+    """Like ``sqlite_env``, on SQLite and on PostgreSQL too where there is one (:func:`_pg_base`)."""
     redis.Redis.from_url(redis_url).flushall()
     return {"POLSPEC_DB_URL": db_url, "POLSPEC_REDIS_URL": redis_url}

@@ -1,6 +1,6 @@
 """The job system end to end, in this process: enqueue, a burst worker, status, results, export.
 
-Real redis-server, real SQLite (and PostgreSQL when POLSPEC_TEST_PG_URL is set), real models.
+Real redis-server, real SQLite (and PostgreSQL where there is one: conftest's pg_url), real models.
 """
 
 from __future__ import annotations

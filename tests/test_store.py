@@ -1,7 +1,8 @@
 """The results database: migrations, SQLite set-up, constraints and ``polspec db``.
 
-Runs on a real SQLite file, and on PostgreSQL too when ``POLSPEC_TEST_PG_URL`` names a server
-(each test gets a fresh database there, dropped afterwards).
+Runs on a real SQLite file, and on PostgreSQL too where there is one (conftest's ``pg_url``: the
+server ``POLSPEC_TEST_PG_URL`` names, else a local one; each test gets a fresh database there,
+dropped afterwards).
 """
 
 from __future__ import annotations
