@@ -39,6 +39,15 @@ def batch(sqlite_env: dict[str, str]) -> int:
     return json.loads(output)["batch"]
 
 
+def small_sweep(env: dict[str, str], folder: Path) -> int:
+    """A sweep of one pl-short prompt, enqueued and not run: its id."""
+    sweep = folder / "sweep.toml"
+    sweep.write_text('target = "gemma3-270m"\ndrafts = ["smollm2-135m"]\ndatasets = [{ name = "pl-short", limit = 1 }]\n')
+    code, output = cli(env, "enqueue", "sweep", "--config", str(sweep), "--json")
+    assert code == 0, output
+    return json.loads(output)["batch"]
+
+
 def test_an_unknown_batch_is_an_error_for_every_command_that_takes_one(sqlite_env, batch):
     for args in (["results", "list", "--batch", "99"], ["results", "show", "99", "q1"], ["recover", "--batch", "99"],
                  ["results", "export", "99"], ["status", "99"], ["retry", "99", "--failed"]):
@@ -157,9 +166,7 @@ def test_an_output_of_a_dash_is_standard_output_and_exports_say_what_decoded_eac
     assert result.stderr == f"note: batch {batch} is not finished: 3 of 3 items have no result yet\n"
     settings = {(row["target"], row["draft"], row["k"], row["prefix"], row["temperature"]) for row in rows}
     assert settings == {("gemma3-270m", None, None, None, 0.0)}  # target-only: no k, no prefix
-    sweep = tmp_path / "sweep.toml"
-    sweep.write_text('target = "gemma3-270m"\ndrafts = ["smollm2-135m"]\ndatasets = [{ name = "pl-short", limit = 1 }]\n')
-    sweep_id = json.loads(cli(sqlite_env, "enqueue", "sweep", "--config", str(sweep), "--json")[1])["batch"]
+    sweep_id = small_sweep(sqlite_env, tmp_path)
     code, output = cli(sqlite_env, "report", str(sweep_id), "--output", "-")
     assert code == 0 and output.startswith(f"# Sweep {sweep_id}: ")
     result = CliRunner().invoke(main, ["results", "export", str(sweep_id)], env=sqlite_env)
@@ -190,9 +197,7 @@ def test_an_export_or_report_into_the_database_itself_is_refused(sqlite_env, bat
 
 
 def test_the_output_file_extension_chooses_the_format_unless_one_is_given(sqlite_env, batch, tmp_path):
-    sweep = tmp_path / "sweep.toml"
-    sweep.write_text('target = "gemma3-270m"\ndrafts = ["smollm2-135m"]\ndatasets = [{ name = "pl-short", limit = 1 }]\n')
-    sweep_id = json.loads(cli(sqlite_env, "enqueue", "sweep", "--config", str(sweep), "--json")[1])["batch"]
+    sweep_id = small_sweep(sqlite_env, tmp_path)
     written = {}
     for command, name in [(["results", "export", str(batch)], "items.CSV"), (["results", "export", str(batch)], "items.jsonl"),
                           (["results", "export", str(batch), "--format", "jsonl"], "typed.csv"),
@@ -237,11 +242,7 @@ def test_an_output_that_cannot_be_written_is_one_line_and_leaves_nothing(sqlite_
 
 
 def test_a_report_or_its_plots_that_cannot_be_written_leave_nothing_behind(sqlite_env, tmp_path):
-    sweep = tmp_path / "sweep.toml"
-    sweep.write_text('target = "gemma3-270m"\ndrafts = ["smollm2-135m"]\ndatasets = [{ name = "pl-short", limit = 1 }]\n')
-    code, output = cli(sqlite_env, "enqueue", "sweep", "--config", str(sweep), "--json")
-    assert code == 0, output
-    sweep_id = json.loads(output)["batch"]
+    sweep_id = small_sweep(sqlite_env, tmp_path)
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     report = tmp_path / "report.md"
@@ -276,11 +277,7 @@ def test_a_report_or_its_plots_that_cannot_be_written_leave_nothing_behind(sqlit
 def test_plots_on_a_disk_that_fills_stay_whole(sqlite_env, tmp_path, tiny_disk):
     """savefig wrote into the old plot in place: a disk that filled while a plot was written
     left it cut off."""
-    sweep = tmp_path / "sweep.toml"
-    sweep.write_text('target = "gemma3-270m"\ndrafts = ["smollm2-135m"]\ndatasets = [{ name = "pl-short", limit = 1 }]\n')
-    code, output = cli(sqlite_env, "enqueue", "sweep", "--config", str(sweep), "--json")
-    assert code == 0, output
-    sweep_id = json.loads(output)["batch"]
+    sweep_id = small_sweep(sqlite_env, tmp_path)
     plots = tiny_disk / "plots"
     code, output = cli(sqlite_env, "report", str(sweep_id), "--plots", str(plots))
     assert code == 0 and len(list(plots.glob("*.png"))) == 3, output
