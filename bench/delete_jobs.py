@@ -3,25 +3,25 @@ an enqueue that replaces jobs all go through ``delete_jobs``.
 
     .venv/bin/python bench/delete_jobs.py --jobs 10000,40000 --markdown    # about 2 minutes
 
-For each size, on a private redis-server: a queue holds ``jobs`` queued jobs of another batch,
-then ``jobs`` of this one (a sweep enqueued behind another on the same target), and this
-batch's jobs are deleted, once by ``delete_jobs`` and once the way RQ deletes a job (``Job.delete``
-per job, as polspec did before), each on a fresh copy of the queue. The other batch's jobs
-must stay, in order.
+For each size, on a private redis-server started as the queue runs it (AOF on): a queue holds
+``jobs`` queued jobs of another batch, then ``jobs`` of this one (a sweep enqueued behind another
+on the same target), and this batch's jobs are deleted, once by ``delete_jobs`` and once the way
+RQ deletes a job (``Job.delete`` per job, as polspec did before), each on a fresh copy of the
+queue. The other batch's jobs must stay, in order.
 """
 
 from __future__ import annotations
 
 import argparse
-import shutil
 import socket
-import subprocess
 import tempfile
 import time
+from pathlib import Path
 
 import redis
 from rq.job import Job
 
+from polspec.jobs.local_redis import redis_available
 from polspec.jobs.queue import delete_jobs, enqueue_items, fetch_jobs, job_id, make_queue
 
 QUEUE = "polspec-bench"
@@ -55,25 +55,11 @@ def main() -> None:
     sizes = [int(size) for size in args.jobs.split(",")]
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    data = tempfile.mkdtemp(prefix="polspec-bench-redis-")
-    server = subprocess.Popen([shutil.which("redis-server") or "redis-server", "--port", str(port), "--bind",
-                               "127.0.0.1", "--dir", data, "--save", "", "--appendonly", "no"],
-                              stdout=subprocess.DEVNULL)
-    try:
-        connection = redis.Redis(port=port)
-        for _ in range(100):
-            try:
-                connection.ping()
-                break
-            except redis.ConnectionError:
-                time.sleep(0.05)
+        url = f"redis://127.0.0.1:{probe.getsockname()[1]}/0"
+    with tempfile.TemporaryDirectory() as scratch, redis_available(url, data=Path(scratch)):
+        connection = redis.Redis.from_url(url)
         rows = [(jobs, timed(connection, jobs, delete_jobs), timed(connection, jobs, delete_one_by_one))
                 for jobs in sizes]
-    finally:
-        server.terminate()
-        server.wait()
-        shutil.rmtree(data, ignore_errors=True)
     if args.markdown:
         print("| jobs deleted (behind as many others) | delete_jobs | Job.delete per job | ratio |")
         print("|---|---|---|---|")
