@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import platform
 import sys
 import sysconfig
@@ -157,6 +158,27 @@ def _preload_blas() -> BlasFix:
 
 BLAS_FIX = _preload_blas()
 _backend: Backend | None = None
+
+
+@functools.cache
+def _blas() -> ctypes.CDLL | None:
+    return ctypes.CDLL(BLAS_FIX.library) if BLAS_FIX.active else None
+
+
+def blas_threads() -> int | None:
+    """The threads the OpenBLAS of the BLAS fix runs a product on; None without the fix
+    (macOS's Accelerate, a GPU, ``POLSPEC_BLAS=off``)."""
+    blas = _blas()
+    return blas.openblas_get_num_threads() if blas is not None else None
+
+
+def set_blas_threads(count: int) -> None:
+    """Run the fix's OpenBLAS on ``count`` threads from its next product on. Call it between
+    products, on the thread that runs them: OpenBLAS does not expect its pool to change under
+    a running product."""
+    blas = _blas()
+    if blas is not None:
+        blas.openblas_set_num_threads(count)
 
 
 def _import_mlx():

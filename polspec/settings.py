@@ -138,6 +138,16 @@ def blas_choice() -> str:
     return "off" if value.lower() == "off" else value
 
 
+# The variables OpenBLAS reads for its thread count, in its own order of precedence.
+BLAS_THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS")
+
+
+def blas_threads_set() -> bool:
+    """Whether the user chose the BLAS's thread count (:data:`BLAS_THREAD_VARIABLES`): polspec then
+    leaves it as it is (see :mod:`polspec.cpu_share`)."""
+    return any(os.environ.get(name, "").strip() for name in BLAS_THREAD_VARIABLES)
+
+
 def columns_set() -> bool:
     """Whether ``COLUMNS`` is set; Rich then takes the output width from it."""
     return "COLUMNS" in os.environ

@@ -165,9 +165,9 @@ def test_a_result_meeting_the_database_locked_past_its_busy_timeout_waits_and_is
 def test_two_batched_workers_on_one_queue_never_duplicate(any_db_env):
     env = any_db_env
     enqueue(env, limit=8, max_tokens=8)
-    # Each takes one of the two cores: OpenBLAS's threads of two processes, two each, would
-    # spin against each other and slow both about eightfold (README, "Several machines").
-    workers = [start_worker(env | {"OPENBLAS_NUM_THREADS": "1"}, "--burst", "--batch", "4") for _ in range(2)]
+    # Each takes half the cores by itself (polspec.cpu_share): with a thread per core each,
+    # OpenBLAS's threads would spin against each other and slow both about eightfold.
+    workers = [start_worker(env, "--burst", "--batch", "4") for _ in range(2)]
     for worker in workers:
         finish(worker)
     items = assert_each_item_done_once(env, 8)

@@ -38,6 +38,7 @@ from polspec import backend  # noqa: F401  (before mlx: the Linux BLAS fix)
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache
 
+from polspec.cpu_share import share_cores
 from polspec.decoding import batch_kv
 from polspec.decoding.acceptance import acceptance_estimate
 from polspec.decoding.commit import Commit
@@ -186,6 +187,7 @@ class BatchDecoder:
 
     def step(self) -> list[SequenceEvent]:
         """One round for every sequence in the batch; new sequences join first."""
+        share_cores()
         self._join()
         if not self.rows:
             return []

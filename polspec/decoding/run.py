@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 
 from polspec import backend  # noqa: F401  (before mlx: the Linux BLAS fix)
 
+from polspec.cpu_share import share_cores
 from polspec.decoding.acceptance import acceptance_estimate
 from polspec.decoding.autoregressive import generate_autoregressive
 from polspec.decoding.commit import Commit
@@ -56,8 +57,20 @@ def stream(
             metrics.k_policy_note = "auto: plain decoding, no k can pay on this machine even with a perfect draft"
             draft = None
     if draft is None:
-        return generate_autoregressive(target, target_ids, params, metrics, without_its_draft=speculative)
-    return generate_speculative(target, draft, target_ids, draft_ids, params, metrics, policy)
+        return sharing_cores(generate_autoregressive(target, target_ids, params, metrics, without_its_draft=speculative))
+    return sharing_cores(generate_speculative(target, draft, target_ids, draft_ids, params, metrics, policy))
+
+
+def sharing_cores(commits: Generator[Commit, None, None]) -> Iterator[Commit]:
+    """``commits``, this process taking its share of the CPU (:func:`~polspec.cpu_share.share_cores`)
+    before the first round and between rounds; closing it closes ``commits`` at once."""
+    share_cores()
+    try:
+        for commit in commits:
+            yield commit
+            share_cores()
+    finally:
+        commits.close()
 
 
 def stored_probe(target: LoadedModel, draft: LoadedModel, batched: bool = False,
