@@ -173,9 +173,11 @@ def blas_threads() -> int | None:
 
 
 def set_blas_threads(count: int) -> None:
-    """Run the fix's OpenBLAS on ``count`` threads from its next product on. Call it between
-    products, on the thread that runs them: OpenBLAS does not expect its pool to change under
-    a running product."""
+    """Run the fix's OpenBLAS on ``count`` threads from its next product on. Call it while no
+    product runs (MLX runs them on its stream's thread: between rounds, after the host has read
+    a round's result), as OpenBLAS does not expect its pool to change under one. An OpenMP
+    build of OpenBLAS would take its threads from OpenMP instead; cmeel's, which the fix tries
+    first, runs its own threads."""
     blas = _blas()
     if blas is not None:
         blas.openblas_set_num_threads(count)

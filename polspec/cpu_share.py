@@ -9,10 +9,12 @@ marks itself as decoding (a file of its own under ``locks_dir()/decoding``, touc
 once a second), counts the processes of this machine that marked themselves within
 :data:`DECODING_WITHIN_S` and still run, and gives its BLAS an equal share of the threads it
 started with (at least one). One that stops decoding (a worker waiting for jobs) stops
-counting after :data:`DECODING_WITHIN_S`, and the others take their threads back.
+counting after :data:`DECODING_WITHIN_S`, and the others take their threads back. Prefill and
+the probe's measurements take their share between forwards too.
 
-Nothing changes where the user set the BLAS's threads (``OPENBLAS_NUM_THREADS`` and the like)
-or where there is no BLAS fix (macOS, whose Accelerate has no such pool; a GPU).
+Nothing changes where the user set the BLAS's threads (``OPENBLAS_NUM_THREADS`` and the like),
+where there is no BLAS fix (macOS, whose Accelerate has no such pool), or in a process that
+decodes on a GPU (it leaves the cores to the others).
 """
 
 from __future__ import annotations
@@ -28,17 +30,17 @@ from polspec.errors import PolspecError
 from polspec.processes import pid_alive, this_host_and_boot
 from polspec.settings import blas_threads_set, locks_dir
 
-# A process counts as decoding this long after its last round: longer than any one round or
-# prefill (a large target's batched round on a slow CPU takes seconds), so that no process
-# takes back threads from one in the middle of a round. A share too small for a while costs
+# A process counts as decoding this long after its last round: longer than any one forward (a
+# large target's batched round or a prefill chunk on a slow CPU takes many seconds), so that no
+# process takes back threads from one in the middle of it. A share too small for a while costs
 # a process alone about 13% of its speed here; one too large costs the machine tenfold.
-DECODING_WITHIN_S = 30.0
+DECODING_WITHIN_S = 60.0
 # How often a process looks again: marking and counting costs a directory listing.
 CHECK_EVERY_S = 1.0
 # A mark this old is a process that is gone without tidying up (killed): anyone removes it.
 FORGOTTEN_AFTER_S = 3600.0
 
-_full: int | None = None  # the threads this process's BLAS started with
+_started_with: int | None = None  # the threads this process's BLAS started with
 _last_check = -CHECK_EVERY_S
 
 
@@ -56,18 +58,20 @@ def share_cores() -> None:
 def balance_blas_threads() -> int | None:
     """Mark this process as decoding now, count the decoding processes of this machine, and set
     this one's BLAS threads to its share; returns them (None where polspec leaves the BLAS alone)."""
-    global _full
-    if blas_threads_set() or backend.blas_threads() is None:
+    global _started_with
+    if blas_threads_set() or backend.blas_threads() is None or backend.setup().device != "cpu":
         return None
-    if _full is None:
-        _full = backend.blas_threads()
+    if _started_with is None:
+        _started_with = backend.blas_threads()
         atexit.register(_unmark)
     try:
-        _mark()
+        mark = mark_path()
+        mark.parent.mkdir(parents=True, exist_ok=True)
+        mark.touch()
         sharing = decoding_processes()
     except (OSError, PolspecError):  # an unwritable POLSPEC_HOME: decoding goes on with the threads it has
         return backend.blas_threads()
-    share = max(1, _full // max(1, sharing))
+    share = max(1, _started_with // max(1, sharing))
     if share != backend.blas_threads():
         backend.set_blas_threads(share)
     return share
@@ -85,15 +89,24 @@ def decoding_processes() -> int:
         except FileNotFoundError:  # its process tidied it away meanwhile
             continue
         pid = mark.name[len(prefix):]
-        if not mark.name.startswith(prefix) or not pid.isdigit():
-            if age > FORGOTTEN_AFTER_S:  # another machine's on a shared home: it tidies its own
-                mark.unlink(missing_ok=True)
+        if not mark.name.startswith(prefix) or not pid.isdigit():  # another machine's, on a shared home
+            if age > FORGOTTEN_AFTER_S:  # a machine that was switched off cannot tidy its own
+                _remove(mark)
             continue
         if not pid_alive(int(pid)) or age > FORGOTTEN_AFTER_S:
-            mark.unlink(missing_ok=True)
+            _remove(mark)
         elif age <= DECODING_WITHIN_S:
             count += 1
     return count
+
+
+def _remove(mark: Path) -> None:
+    """Tidy a mark away where this process may (on a home several users share, another user's
+    stays, and counts no more than its age and pid say)."""
+    try:
+        mark.unlink(missing_ok=True)
+    except OSError:
+        pass
 
 
 def _marks_dir() -> Path:
@@ -105,14 +118,13 @@ def _host_prefix() -> str:
     return re.sub(r"[^A-Za-z0-9.-]+", "_", this_host_and_boot()) + "-"
 
 
-def _mark() -> None:
-    directory = _marks_dir()
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / f"{_host_prefix()}{os.getpid()}").touch()
+def mark_path(pid: int | None = None) -> Path:
+    """The mark of process ``pid`` of this machine (default: this process)."""
+    return _marks_dir() / f"{_host_prefix()}{os.getpid() if pid is None else pid}"
 
 
 def _unmark() -> None:
     try:
-        (_marks_dir() / f"{_host_prefix()}{os.getpid()}").unlink(missing_ok=True)
-    except OSError:
+        _remove(mark_path())
+    except PolspecError:  # POLSPEC_HOME went away
         pass

@@ -66,26 +66,25 @@ def test_two_decoding_processes_take_half_the_threads_each_and_one_alone_takes_t
     assert cpu_share.balance_blas_threads() == alone // 2
     assert backend.blas_threads() == alone // 2
     end(other)
-    assert list((isolated_home / "locks" / "decoding").iterdir()) == [
-        isolated_home / "locks" / "decoding" / f"{cpu_share._host_prefix()}{os.getpid()}"]
+    assert list(cpu_share.mark_path().parent.iterdir()) == [cpu_share.mark_path()]  # it tidied its own away
     assert cpu_share.balance_blas_threads() == alone
     assert backend.blas_threads() == alone
 
 
 def test_a_killed_process_no_longer_counts_and_its_mark_is_tidied_away(alone: int, isolated_home: Path):
     other, _ = start_decoding_process(isolated_home)
-    marks = isolated_home / "locks" / "decoding"
+    marks = cpu_share.mark_path().parent
     other.send_signal(signal.SIGKILL)
     other.wait(timeout=30)
     assert len(list(marks.iterdir())) == 2  # it had no time to tidy up
     assert cpu_share.balance_blas_threads() == alone
-    assert [mark.name for mark in marks.iterdir()] == [f"{cpu_share._host_prefix()}{os.getpid()}"]
+    assert list(marks.iterdir()) == [cpu_share.mark_path()]
 
 
 def test_a_process_that_stopped_decoding_no_longer_counts(alone: int, isolated_home: Path):
     other, _ = start_decoding_process(isolated_home)
     try:
-        its_mark = isolated_home / "locks" / "decoding" / f"{cpu_share._host_prefix()}{other.pid}"
+        its_mark = cpu_share.mark_path(other.pid)
         assert cpu_share.balance_blas_threads() == alone // 2
         last_round = time.time() - cpu_share.DECODING_WITHIN_S - 1  # e.g. a worker waiting for jobs since
         os.utime(its_mark, (last_round, last_round))
@@ -93,6 +92,17 @@ def test_a_process_that_stopped_decoding_no_longer_counts(alone: int, isolated_h
         assert its_mark.exists()  # it still runs: its mark is its own to remove
     finally:
         end(other)
+
+
+def test_another_machine_s_marks_on_a_shared_home_do_not_count_until_they_are_tidied_away(alone: int):
+    marks = cpu_share.mark_path().parent
+    recent, forgotten = marks / "laptop_boot_0a1b2c3d4e5f-4242", marks / "laptop_boot_0a1b2c3d4e5f-4343"
+    recent.touch()
+    forgotten.touch()
+    long_ago = time.time() - cpu_share.FORGOTTEN_AFTER_S - 1
+    os.utime(forgotten, (long_ago, long_ago))
+    assert cpu_share.balance_blas_threads() == alone
+    assert sorted(marks.iterdir()) == sorted([recent, cpu_share.mark_path()])
 
 
 def test_threads_the_user_chose_are_left_alone(alone: int, isolated_home: Path, monkeypatch: pytest.MonkeyPatch):

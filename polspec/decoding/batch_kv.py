@@ -23,7 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache, dynamic_roll, make_prompt_cache
 
-from polspec.decoding.kv import PREFILL_STEP
+from polspec.decoding.kv import prefill
 from polspec.errors import PolspecError
 
 
@@ -42,9 +42,7 @@ def check_batchable(model: nn.Module, alias: str) -> int:
 def prefill_one(model: nn.Module, layers: int, ids: list[int]) -> list[KVCache]:
     """A single sequence's cache with ``ids`` fed (no logits kept), ready to join a batch."""
     cache = [KVCache() for _ in range(layers)]
-    for start in range(0, len(ids), PREFILL_STEP):
-        model(mx.array([ids[start:start + PREFILL_STEP]]), cache=cache)
-        mx.eval([c.state for c in cache if c.keys is not None])
+    prefill(model, cache, ids)
     return cache
 
 

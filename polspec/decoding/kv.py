@@ -8,6 +8,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache, trim_prompt_cache
 
+from polspec.cpu_share import share_cores
 from polspec.errors import PolspecError
 
 PREFILL_STEP = 512
@@ -34,10 +35,13 @@ def new_cache(model: nn.Module, alias: str) -> list:
 
 
 def prefill(model: nn.Module, cache: list, ids: list[int]) -> None:
-    """Run ``ids`` through the model into ``cache`` (no logits kept)."""
+    """Run ``ids`` through the model into ``cache`` (no logits kept), taking this process's share
+    of the cores between chunks (:func:`~polspec.cpu_share.share_cores`: a long prompt on a large
+    model takes minutes)."""
     for start in range(0, len(ids), PREFILL_STEP):
+        share_cores()
         model(mx.array([ids[start:start + PREFILL_STEP]]), cache=cache)
-        mx.eval([c.state for c in cache])
+        mx.eval([c.state for c in cache if c.keys is not None])  # a layer may hold nothing yet
 
 
 def cached_length(cache: list) -> int:

@@ -11,6 +11,7 @@ from polspec import backend  # before mlx: the Linux BLAS fix
 
 import mlx.core as mx
 
+from polspec.cpu_share import share_cores
 from polspec.decoding import batch_kv
 from polspec.decoding.costmodel import BATCH_POSITIONS, BATCH_SIZES, RHO_SIZES, BatchCost, Probe
 from polspec.decoding.draft_head import DraftHead
@@ -139,9 +140,12 @@ def _batch_forward_times(loaded: LoadedModel, forward, size: int, positions, rep
 
 def median_times(forwards: list, inputs: list, caches: list, undo: list, repeats: int) -> list[float]:
     """Median time of each forward over its input with its cache, all in turn within a repeat;
-    ``undo[i](cache)`` takes the forward's entries out of the cache again, untimed."""
+    ``undo[i](cache)`` takes the forward's entries out of the cache again, untimed. Each repeat
+    starts with this process's share of the cores (:func:`~polspec.cpu_share.share_cores`): a
+    probe beside another process decoding would otherwise time both fighting over every core."""
     times: list[list[float]] = [[] for _ in inputs]
     for round_ in range(repeats + 1):  # the first round warms each shape up and is not kept
+        share_cores()
         for index, (forward, tokens, cache) in enumerate(zip(forwards, inputs, caches)):
             clock = time.perf_counter()
             mx.eval(forward(tokens, cache))

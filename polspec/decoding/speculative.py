@@ -39,7 +39,7 @@ from polspec.decoding.policy import DraftLength, candidates_that_count
 from polspec.decoding.sampling import sequence_seed, token_sampler
 from polspec.decoding.speculative_sampling import shared_draft, speculative_choices
 from polspec.decoding.translate import (
-    TokenBytes, common_prefix, follow_text, token_bytes, translate_draft_to_target,
+    TokenBytes, common_prefix, follow_text, same_tokenizer, token_bytes, translate_draft_to_target,
 )
 from polspec.models.loader import LoadedModel
 
@@ -50,10 +50,6 @@ DraftDraw = Callable[[mx.array, int], tuple[mx.array, mx.array]]
 def _hf(loaded: LoadedModel):
     """The transformers tokenizer inside mlx-lm's wrapper."""
     return loaded.tokenizer._tokenizer
-
-
-def same_tokenizer(target: LoadedModel, draft: LoadedModel) -> bool:
-    return target.entry.tokenizer_family == draft.entry.tokenizer_family
 
 
 def translation_tables(target: LoadedModel, draft: LoadedModel) -> tuple[TokenBytes, TokenBytes] | None:

@@ -45,7 +45,7 @@ from polspec.decoding.draft_head import DraftHead, vocabulary_size
 from polspec.decoding.draft_vocab import draft_head, polish_token_weights
 from polspec.decoding.params import DecodingParams
 from polspec.decoding.sampling import draw_in_proportion, fine_uniform, position_key, sampling_probabilities
-from polspec.decoding.translate import TokenBytes, encode_after, token_bytes
+from polspec.decoding.translate import TokenBytes, encode_after, same_tokenizer, token_bytes
 from polspec.models.loader import LoadedModel
 
 # What a random draw is for, in position_key.
@@ -93,7 +93,7 @@ class SharedVocabulary:
 def shared_vocabulary(target: LoadedModel, draft: LoadedModel) -> SharedVocabulary:
     """The pair's :class:`SharedVocabulary` (the identity where both use one tokenizer family)."""
     target_tokenizer, draft_tokenizer = target.tokenizer._tokenizer, draft.tokenizer._tokenizer
-    if target.entry.tokenizer_family == draft.entry.tokenizer_family:
+    if same_tokenizer(target, draft):
         size = len(draft_tokenizer)
         pieces = np.full((size, MAX_PIECES), -1)
         pieces[:, 0] = np.arange(size)

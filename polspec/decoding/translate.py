@@ -25,11 +25,16 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 from transformers import PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from polspec.decoding.params import PARTIAL_WORD, STRATEGIES
+from polspec.errors import PolspecError
+
+if TYPE_CHECKING:
+    from polspec.models.loader import LoadedModel
 
 _BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 _WORD_START = re.compile(rb"[ \t\n\r]")
@@ -173,6 +178,39 @@ def follow_text(table: TokenBytes, ids: list[int], lag: bytes, new: bytes) -> tu
         keep, tail = extend_tokens(table, ids, whole, RESYNC_WINDOW)
         ids = ids[:keep] + tail
     return ids, pending[len(whole):]
+
+
+def same_tokenizer(target: LoadedModel, draft: LoadedModel) -> bool:
+    """Whether the draft's ids are the target's: the registry puts both models in one tokenizer
+    family. A PolspecError where it does and their vocabularies name most ids differently (a
+    wrong ``polspec models import --tokenizer-family``): read as the target's, the draft's ids
+    would propose other tokens than it chose, and speculation would be work for nothing. (A
+    model's chat variant may rename a few control tokens: those pass.)"""
+    family = target.entry.tokenizer_family
+    if family != draft.entry.tokenizer_family:
+        return False
+    differ, size, example = _renamed_ids(target.tokenizer._tokenizer, draft.tokenizer._tokenizer)
+    if differ > size * RENAMED_IDS_ALLOWED:
+        token_id, theirs, ours = example
+        raise PolspecError(
+            f"{draft.entry.alias} and {target.entry.alias} are registered as one tokenizer family ({family}), but "
+            f"{differ:,} of the {size:,} ids they share name different tokens (id {token_id} is {ours!r} to "
+            f"{draft.entry.alias} and {theirs!r} to {target.entry.alias}): give one of them its own family "
+            "(polspec models import --tokenizer-family, or tokenizer_family in models.toml)")
+    return True
+
+
+# The share of ids a tokenizer family's models may name differently: a few control tokens.
+RENAMED_IDS_ALLOWED = 0.01
+
+
+@lru_cache(maxsize=8)
+def _renamed_ids(target: PreTrainedTokenizerFast, draft: PreTrainedTokenizerFast) -> tuple[int, int, tuple | None]:
+    """How many ids of both base vocabularies name two different tokens, of how many, and the first."""
+    size = min(target.vocab_size, draft.vocab_size)
+    pairs = zip(target.convert_ids_to_tokens(range(size)), draft.convert_ids_to_tokens(range(size)))
+    renamed = [(token_id, theirs, ours) for token_id, (theirs, ours) in enumerate(pairs) if theirs != ours]
+    return len(renamed), size, renamed[0] if renamed else None
 
 
 def window_start(table: TokenBytes, ids: list[int], window: int) -> int:
