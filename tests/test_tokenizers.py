@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import gguf
 import pytest
 import sentencepiece
 import tiktoken
@@ -127,6 +128,7 @@ FAMILIES = {
 ALIASES = tuple(FAMILIES)
 CHAT_ALIASES = tuple(alias for alias, family in FAMILIES.items() if family.user_turn)
 GGUF_ALIASES = ("qwen2.5-coder-1.5b", "smollm2-135m", "gemma3-270m")
+GGUF_NORMAL_TOKEN = gguf.TokenType.NORMAL  # tokenizer.ggml.token_type of a vocabulary entry (not control)
 
 
 @pytest.fixture(scope="session")
@@ -155,16 +157,16 @@ def llama3_tiktoken(registry: Registry) -> tiktoken.Encoding:
 
 
 @pytest.fixture(scope="session")
-def qwen_tiktoken(tokenizer_of: Callable[[str], PreTrainedTokenizerFast]) -> tiktoken.Encoding:
-    """Qwen2.5's byte-level vocabulary as tiktoken ranks: ids are merge ranks in this family."""
-    tokenizer = tokenizer_of("qwen2.5-coder-1.5b")
-    first_special = min(tokenizer.get_added_vocab().values())
+def qwen_tiktoken(gguf_file_of: Callable[[str], Path]) -> tiktoken.Encoding:
+    """Qwen2.5's byte-level vocabulary as tiktoken ranks (ids are merge ranks in this family),
+    read from the GGUF file's own token list rather than from the tokenizer under test, so
+    that a wrong id map in its conversion shows as other ids."""
+    reader = gguf.GGUFReader(gguf_file_of("qwen2.5-coder-1.5b"))
+    tokens = reader.fields["tokenizer.ggml.tokens"].contents()
+    kinds = reader.fields["tokenizer.ggml.token_type"].contents()
     to_byte = {char: byte for byte, char in bytes_to_unicode().items()}
-    ranks = {
-        bytes(to_byte[char] for char in token): index
-        for token, index in tokenizer.get_vocab().items()
-        if index < first_special
-    }
+    ranks = {bytes(to_byte[char] for char in token): index
+             for index, (token, kind) in enumerate(zip(tokens, kinds, strict=True)) if kind == GGUF_NORMAL_TOKEN}
     return tiktoken.Encoding("qwen2.5", pat_str=QWEN2_PATTERN, mergeable_ranks=ranks, special_tokens={})
 
 
