@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections import Counter
 
 import mlx.core as mx
@@ -14,7 +16,7 @@ from polspec.decoding import DecodingParams, generate
 from polspec.decoding.batch import stream_batch
 from polspec.decoding.draft_head import DraftHead
 from polspec.decoding.draft_vocab import (
-    DEFAULT_SIZE, _rank, draft_head, draft_vocab_size, pruned_vocabulary, token_ranking,
+    DEFAULT_SIZE, RANKING_FILE, RANKING_FORMAT, _rank, draft_head, draft_vocab_size, pruned_vocabulary, token_ranking,
 )
 from polspec.decoding.policy import DraftLength
 from polspec.decoding.speculative import DraftSide
@@ -48,6 +50,27 @@ def test_the_ranking_is_deterministic_and_puts_polish_first(gemma3):
     assert len(set(ranking)) == len(ranking)
     top = {tokenizer.convert_ids_to_tokens(token) for token in ranking[:2000]}
     assert {"▁się", "▁nie", "▁jest"} <= top
+
+
+def test_the_ranking_is_kept_beside_the_model_and_read_back(smollm2, tmp_path):
+    """Ranking a vocabulary tokenizes the shipped Polish words (seconds for a large one): it is
+    written beside the model once and read back after, whole; an unreadable or older file is
+    ranked again and replaced, and where no file can be written there it still ranks."""
+    beside = dataclasses.replace(smollm2, path=tmp_path)
+    ranked = _rank(smollm2.tokenizer._tokenizer)
+    kept = tmp_path / RANKING_FILE
+    assert token_ranking(beside) == ranked
+    assert json.loads(kept.read_text()) == {"format": RANKING_FORMAT, "ranking": ranked}
+    kept.write_text(json.dumps({"format": RANKING_FORMAT, "ranking": ranked[::-1]}))
+    assert token_ranking(beside) == ranked[::-1]  # read back, not ranked again
+    for stale in (json.dumps({"format": RANKING_FORMAT - 1, "ranking": ranked[::-1]}),
+                  f'{{"format": {RANKING_FORMAT}, "ran', "[]"):
+        kept.write_text(stale)
+        assert token_ranking(beside) == ranked
+        assert json.loads(kept.read_text())["ranking"] == ranked
+    nowhere = tmp_path / "a-file"
+    nowhere.write_text("")
+    assert token_ranking(dataclasses.replace(smollm2, path=nowhere)) == ranked
 
 
 def test_a_pruned_vocabulary_keeps_every_byte_special_and_end_token(gemma3, smollm2):
