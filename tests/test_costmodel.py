@@ -14,7 +14,7 @@ from polspec.cli import main
 from polspec.decoding import DecodingParams, generate, run
 from polspec.decoding.acceptance import PLAIN_HALF_LIFE, PRIOR_WEIGHT, AcceptanceEstimate, acceptance_estimate
 from polspec.decoding.costmodel import (
-    BATCH_POSITIONS, BATCH_SIZES, PREDICTION_FORMATS, PROBE_FORMAT, BatchCost, Probe, best_k, best_shared_k, break_even_acceptance, can_pay,
+    BATCH_POSITIONS, BATCH_SIZES, PREDICTION_FORMATS, PROBE_FORMAT, BatchCost, Probe, accepted_share, best_k, best_shared_k, break_even_acceptance, can_pay,
     expected_tokens, predicted_speedup, predicted_speedup_of_rounds, round_cost, shared_speedup, throughput_batch_size,
 )
 from polspec.decoding.draft_vocab import DEFAULT_SIZE
@@ -60,6 +60,12 @@ def test_bandwidth_bound_cost_and_break_even():
     with_overhead = Probe("t", "d", c=0.1, rho=measured.rho, tau=0.05, draft_overhead=0.1)
     assert round_cost(with_overhead, 1) == pytest.approx(0.1 + 0.1 + 1.1 + 0.05)
     assert round_cost(with_overhead, 0) == 1.0
+
+
+def test_the_accepted_share_of_a_round_s_candidates():
+    assert accepted_share(0.4, 1) == pytest.approx(0.4)
+    assert accepted_share(0.4, 3) == pytest.approx((0.4 + 0.4**2 + 0.4**3) / 3)
+    assert accepted_share(1.0, 3) == 1.0 and accepted_share(0.0, 3) == 0.0
 
 
 def test_break_even_above_one_means_never():

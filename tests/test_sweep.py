@@ -23,7 +23,8 @@ from click.testing import CliRunner
 from sqlalchemy import event, select, update
 
 from polspec.cli import main
-from polspec.decoding.costmodel import BatchCost, Probe, break_even_acceptance, predicted_speedup_of_rounds
+from polspec.decoding.costmodel import (BatchCost, Probe, accepted_share, break_even_acceptance, candidates_for,
+                                       predicted_speedup_of_rounds)
 from polspec.decoding.draft_vocab import DEFAULT_SIZE
 from polspec.decoding.params import DecodingParams
 from polspec.decoding.probe_files import save_probe
@@ -437,7 +438,9 @@ def test_small_sweep_runs_resumes_and_reports_numbers_recomputable_by_hand(env, 
     speculative = sum(result.metrics["rounds"] for _, result in members) - plain
     assert row["predicted_speedup"] == pytest.approx(
         predicted_speedup_of_rounds(probe, a_hat, 2, candidates / drafted, speculative, plain))
-    assert row["break_even_acceptance"] == pytest.approx(break_even_acceptance(probe, 2, candidates / drafted))
+    even = break_even_acceptance(probe, 2, candidates / drafted)
+    assert row["break_even_acceptance"] == (
+        None if even is None else pytest.approx(accepted_share(even, candidates_for(2, candidates / drafted))))
     assert row["joules_per_token"] is None  # no meter here: unavailable, never 0
     for name in ("speedup-by-k.png", "acceptance.png", "predicted-vs-measured.png"):
         assert (tmp_path / "plots" / name).read_bytes().startswith(b"\x89PNG") and (tmp_path / "plots" / name).stat().st_size > 5000
@@ -974,9 +977,27 @@ def test_a_batched_cell_is_predicted_and_broken_even_with_the_costs_at_its_batch
     for batch, row in rows.items():
         at = probe.at_batch(batch)
         assert row.predicted_speedup == pytest.approx(predicted_speedup_of_rounds(at, 12 / 18, 2, 1.0, 10, 0))
-        assert row.break_even_acceptance == pytest.approx(break_even_acceptance(at, 2))
+        assert row.break_even_acceptance == pytest.approx(accepted_share(break_even_acceptance(at, 2), 2))
     assert rows[4].predicted_speedup < rows[1].predicted_speedup
     assert rows[4].break_even_acceptance > rows[1].break_even_acceptance
+
+
+def test_a_cell_that_pays_shows_an_acceptance_above_its_break_even():
+    """The break-even acceptance was the cost model's chance per candidate, set beside the share
+    of candidates accepted: at k = 3 a cell accepting each candidate with 40% accepts 21% of
+    them, and a break-even of 29% made a cell the model says pays (1.1x) look as if it did not."""
+    probe = Probe("qwen2.5-coder-1.5b", "gemma3-270m", c=0.05, rho=(1.0, 1.05, 1.1, 1.15), tau=0.05,
+                  draft_overhead=0.05, target_step_s=0.5, draft_step_s=0.025)
+    # 1,000 rounds of 3 candidates, each accepted with 40% up to the first rejection.
+    accepted, rejections = round(1000 * (0.4 + 0.4**2 + 0.4**3)), round(1000 * (1 - 0.4**3))
+    metrics = {"rounds": 1000, "plain_rounds": 0, "draft_tokens": 3000, "candidates": 3000,
+               "candidates_accepted": accepted, "rejections": rejections, "draft_tokens_accepted": accepted,
+               "generated_tokens": 1000 + accepted, "probe": probe.as_dict()}
+    row = cell_row(CellKey("pl-wiki", "gemma3-270m", "aligned", "3", 5, 1),
+                   [(Pair("pl-wiki", 0, 1, "w1", 0), Result(metrics=metrics, decode_tokens_per_s=10.0))], {}, probe)
+    assert row.predicted_speedup > 1
+    assert break_even_acceptance(probe, 3) > row.acceptance_per_candidate  # the chance per candidate: not comparable
+    assert row.break_even_acceptance < row.acceptance_per_candidate == pytest.approx(accepted / 3000)
 
 
 @pytest.mark.slow

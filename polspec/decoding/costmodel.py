@@ -181,6 +181,14 @@ def predicted_speedup_of_rounds(probe: Probe, a: float, k: int, ratio: float, sp
     return tokens / (plain + speculative * round_cost(probe, k, ratio))
 
 
+def accepted_share(a: float, candidates: int) -> float:
+    """The share of a round's ``candidates`` accepted on average at acceptance ``a`` (each
+    accepted with probability ``a`` up to the first rejection): what a report's acceptance per
+    candidate counts. Below ``a`` for more than one candidate: the later ones are verified
+    only after the earlier ones were accepted."""
+    return (expected_tokens(a, candidates) - 1) / candidates
+
+
 def break_even_acceptance(probe: Probe, k: int, ratio: float = 1.0) -> float | None:
     """The acceptance at which ``k`` starts to pay (S = 1); None if even a = 1 does not pay."""
     if predicted_speedup(probe, 1.0, k, ratio) <= 1.0:

@@ -20,7 +20,8 @@ regenerated at any time:
   geometric-acceptance estimate: accepted / (accepted + rejecting rounds)) over the rounds
   the cell ran (``auto`` rows mix speculative rounds with plain target steps), with the probe
   of the machine that ran each result (a sweep resumed on other machines mixes them), and the
-  break-even acceptance for the cell's k.
+  break-even acceptance for the cell's k, as a share of candidates accepted like the
+  acceptance per candidate beside it (:func:`~polspec.decoding.costmodel.accepted_share`).
 
 Per dataset, a headline over those rows: the fastest fixed-k cell, how close ``auto`` comes to
 the best fixed k of its draft and strategy, and the largest prediction miss for k <= 3.
@@ -38,7 +39,8 @@ from typing import Any, NamedTuple, Protocol
 
 from sqlalchemy import Engine, func, select
 
-from polspec.decoding.costmodel import PREDICTION_FORMATS, Probe, break_even_acceptance, predicted_speedup_of_rounds
+from polspec.decoding.costmodel import (PREDICTION_FORMATS, Probe, accepted_share, break_even_acceptance, candidates_for,
+                                       predicted_speedup_of_rounds)
 from polspec.decoding.params import DecodingParams
 from polspec.decoding.probe_files import load_probe
 from polspec.errors import PolspecError
@@ -412,7 +414,10 @@ def cell_row(key: CellKey, members: list[tuple[Pair, Measured]], baseline: dict[
     accepted = total("candidates_accepted")
     ratio = _candidates_per_draft_token(metrics)
     k_used = _k_used(key.k, metrics)
+    # On the scale of acceptance_per_candidate, which the table sets beside it: the cost model's
+    # a is the chance of each candidate, and with k > 1 a smaller share of them is accepted.
     even = break_even_acceptance(probe.at_batch(key.batch), k_used, ratio) if probe is not None and k_used else None
+    even_share = accepted_share(even, candidates_for(k_used, ratio)) if even is not None else None
     return Row(
         **vars(key),
         prompts=len({pair.prompt_key for pair, _ in members}),
@@ -427,7 +432,7 @@ def cell_row(key: CellKey, members: list[tuple[Pair, Measured]], baseline: dict[
         joules_per_token=joules_per_token([result for _, result in members], windows),
         translation_overhead=total("translate_s") / total("verify_s") if total("verify_s") else None,
         predicted_speedup=predicted_speedup_of_cell(key.k, members, probe, key.batch),
-        break_even_acceptance=even,
+        break_even_acceptance=even_share,
         never_pays=probe is not None and bool(k_used) and even is None,
     )
 
