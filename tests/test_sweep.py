@@ -626,10 +626,19 @@ def test_resuming_reopens_a_cancelled_sweep_and_keeps_a_finished_one_done(env, t
     batch = json.loads(output)["batch"]
     assert cli(env, "cancel", str(batch))[0] == 0
     code, output = cli(env, "enqueue", "sweep", "--config", str(sweep_file), "--json")
-    assert code == 0 and json.loads(output)["enqueued"] == 10
+    resumed = json.loads(output)
+    assert code == 0 and resumed["enqueued"] == 10
+    assert resumed["was_cancelled"] and resumed["reopened"] == {"cancelled": 10}
     assert {item.status for _, item, _ in stored(env).values()} == {"queued"}
     code, output = cli(env, "enqueue", "sweep", "--config", str(sweep_file))
     assert code == 0 and "0 enqueued on polspec-gemma3-270m, 10 still queued or running, 0 already done" in output
+    assert "note:" not in output  # nothing was reopened this time
+    assert cli(env, "cancel", str(batch))[0] == 0
+    code, output = cli(env, "enqueue", "sweep", "--config", str(sweep_file))
+    # Resuming a cancelled sweep is how it runs again, as polspec retry --cancelled does for a
+    # batch; it was done without a word.
+    assert code == 0 and output.startswith(f"note: sweep {batch} was cancelled; its 10 cancelled items are queued "
+                                           f"again (polspec cancel {batch} stops them)\n")
     progress = json.loads(cli(env, "status", str(batch), "--json")[1].splitlines()[0])
     assert progress["status"] == "queued" and progress["drafts"] == ["smollm2-135m"]  # resumed, not yet run
     assert "gemma3-270m + smollm2-135m" in cli(env, "status", str(batch))[1]

@@ -129,7 +129,8 @@ def _print_example(ctx: click.Context, param: click.Parameter, value: bool) -> N
 @click.option("--dry-run", is_flag=True,
               help="Check the file and print what it would queue (cells and items per dataset); write nothing.")
 @click.option("--json", "as_json", is_flag=True,
-              help="Print one JSON object: batch, name, queue, cells, items, enqueued, done, resumed "
+              help="Print one JSON object: batch, name, queue, cells, items, enqueued, done, resumed, "
+                   "was_cancelled, reopened (a resume's failed and cancelled items queued again) "
                    "(with --dry-run: name, queue, cells, items, datasets).")
 def sweep(config_path: Path, dry_run: bool, as_json: bool) -> None:
     """Queue an evaluation sweep: every draft, strategy, k and prefix on every dataset, plus a
@@ -169,8 +170,14 @@ def sweep(config_path: Path, dry_run: bool, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps({"batch": done.batch_id, "name": done.name, "queue": done.queue, "cells": done.cells,
                                "items": done.items, "enqueued": done.enqueued, "done": done.done,
-                               "resumed": done.resumed}))
+                               "resumed": done.resumed, "was_cancelled": done.was_cancelled,
+                               "reopened": done.reopened}))
         return
+    if done.reopened:  # resuming queues failed and cancelled items again, a cancelled sweep's too
+        counts = " and ".join(f"{count} {status}" for status, count in sorted(done.reopened.items()))
+        whose = f"sweep {done.batch_id} was cancelled; its" if done.was_cancelled else f"sweep {done.batch_id}'s"
+        click.echo(f"note: {whose} {counts} items are queued again (polspec cancel {done.batch_id} stops them)",
+                   err=True)
     verb = "resumed" if done.resumed else "queued"
     waiting = done.items - done.done - done.enqueued  # unfinished items that kept their job
     click.echo(f"sweep {done.batch_id} ({done.name}) {verb}: {done.cells} cells, {done.items} items, "

@@ -219,6 +219,8 @@ class SweepEnqueued:
     done: int
     resumed: bool
     earlier: list[int] = field(default_factory=list)  # unfinished sweeps of an unnamed file's other versions
+    was_cancelled: bool = False  # a resumed sweep that had been cancelled
+    reopened: dict[str, int] = field(default_factory=dict)  # a resume's items queued again, per status they had
 
 
 def enqueue_sweep(plan: SweepPlan, *, db_url: str | None = None, queue_url: str | None = None) -> SweepEnqueued:
@@ -244,6 +246,10 @@ def enqueue_sweep(plan: SweepPlan, *, db_url: str | None = None, queue_url: str 
                     raise PolspecError(f"sweep {plan.name!r} (id {batch.id}) exists with another configuration "
                                        f"({key}: {there} there, {here} in this file); give the sweep another name")
                 _check_same_prompts(session, batch, plan)
+                was_cancelled = batch.status == Status.CANCELLED.value
+                reopened = dict(session.execute(
+                    select(Item.status, func.count()).where(Item.batch_id == batch.id, Item.status.in_(
+                        [Status.FAILED.value, Status.CANCELLED.value])).group_by(Item.status)).all())
                 reopen_items(session, batch, (Status.FAILED, Status.CANCELLED))
                 batch.status = Status.RUNNING.value  # reopened even with nothing to rerun: judged by its items
                 settle_batch(session, batch)
@@ -270,8 +276,10 @@ def enqueue_sweep(plan: SweepPlan, *, db_url: str | None = None, queue_url: str 
                                   .where(Item.batch_id == batch_id, Item.status == Status.DONE.value))
             cells = session.scalar(select(func.count()).select_from(Cell).where(Cell.batch_id == batch_id))
             items = session.scalar(select(func.count()).select_from(Item).where(Item.batch_id == batch_id))
-        return SweepEnqueued(batch_id, plan.name, name, cells, items, enqueued, done, batch is not None,
-                             [] if batch is not None else earlier)
+        if batch is None:
+            return SweepEnqueued(batch_id, plan.name, name, cells, items, enqueued, done, False, earlier)
+        return SweepEnqueued(batch_id, plan.name, name, cells, items, enqueued, done, True,
+                             was_cancelled=was_cancelled, reopened=reopened)
 
 
 def _first_difference(stored: dict[str, Any], wanted: dict[str, Any], within: str = "") -> tuple[str, str, str]:
