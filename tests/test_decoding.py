@@ -298,7 +298,7 @@ def test_empty_prompt(gemma3):
 def test_the_decoder_refuses_the_messages_enqueue_refuses(smollm2, tmp_path):
     # A message with a key besides role and content: enqueue refused it, the decoder let it through.
     messages = [{"role": "user", "content": "Napisz zdanie o Krakowie.", "name": "Ola"}]
-    refusal = "messages[0] must be an object with a string 'role' and 'content'"
+    refusal = "messages[0] has 'name' besides 'role' and 'content'; polspec takes only those two: remove the rest"
     with pytest.raises(PolspecError, match=re.escape(refusal)):
         generate(smollm2, None, messages, DecodingParams(max_tokens=2))
     source = tmp_path / "p.jsonl"

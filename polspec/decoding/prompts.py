@@ -54,9 +54,16 @@ def check_messages(messages: object) -> None:
     if not isinstance(messages, list) or not messages:
         raise PolspecError("'messages' must be a non-empty list of {role, content} objects")
     for index, message in enumerate(messages):
-        if (not isinstance(message, dict) or set(message) != {"role", "content"}
-                or not all(isinstance(value, str) for value in message.values())):
+        if not isinstance(message, dict):
             raise PolspecError(f"messages[{index}] must be an object with a string 'role' and 'content'")
+        if extra := sorted(set(message) - {"role", "content"}):
+            # Templates use such keys each their own way, if at all: target and draft would read different prompts.
+            raise PolspecError(f"messages[{index}] has {', '.join(map(repr, extra))} besides 'role' and 'content'; "
+                               "polspec takes only those two: remove the rest")
+        for key in ("role", "content"):
+            if not isinstance(message.get(key), str):
+                raise PolspecError(f"messages[{index}].{key} must be a string"
+                                   + ("" if key in message else f", and messages[{index}] has none"))
         if message["role"] not in ROLES:
             raise PolspecError(f"messages[{index}].role is {message['role']!r}; it must be one of {', '.join(ROLES)}")
         check_text(message["content"], f"messages[{index}].content")
