@@ -131,6 +131,10 @@ def test_same_name_adds_only_new_ids(env, tmp_path):
     code, output = invoke(env, "--input", str(more), "--name", "nightly", "--target", "smollm2-135m", "--json")
     assert json.loads(output)["added"] == 1 and json.loads(output)["batch"] == 1
     assert counts(env) == (1, 4, 4)
+    even_more = write_jsonl(tmp_path / "even-more.jsonl", [*GOOD, {"id": "f", "prompt": "Kto napisał Potop?"}])
+    code, output = invoke(env, "--input", str(even_more), "--name", "nightly", "--target", "smollm2-135m")
+    assert code == 0 and output.startswith("batch 1 (nightly): 1 item queued on polspec-smollm2-135m, 3 already there\n")
+    assert counts(env) == (1, 5, 5)
     code, output = invoke(env, "--input", str(more), "--name", "nightly", "--target", "smollm2-135m", "--k", "3")
     assert code == 1 and output.count("\n") == 1
     assert "batch 'nightly' (id 1) exists with different parameters: k (2, not 3); choose another --name" in output
@@ -139,13 +143,13 @@ def test_same_name_adds_only_new_ids(env, tmp_path):
     code, output = invoke(env, "--input", str(edited), "--name", "nightly", "--target", "smollm2-135m")
     assert code == 1 and output == ("polspec: error: batch 'nightly' (id 1) has id 'a' and 1 more with another "
                                     "prompt; choose another --name (the batch keeps the text it was enqueued with)\n")
-    assert counts(env) == (1, 4, 4)
+    assert counts(env) == (1, 5, 5)
     # A line's own setting edited since: never run, unseen, as an edited prompt would be.
     longer = write_jsonl(tmp_path / "longer.jsonl", [{**GOOD[0], "max_tokens": 99}, *GOOD[1:]])
     code, output = invoke(env, "--input", str(longer), "--name", "nightly", "--target", "smollm2-135m")
     assert code == 1 and output == ("polspec: error: batch 'nightly' (id 1) has id 'a' with other settings of its "
                                     "own; choose another --name (the batch keeps the settings it was enqueued with)\n")
-    assert counts(env) == (1, 4, 4)
+    assert counts(env) == (1, 5, 5)
     plain = write_jsonl(tmp_path / "plain.jsonl", [{"id": "e", "prompt": "Kto napisał Lalkę?"}])
     code, output = invoke(env, "--input", str(plain), "--name", "nightly", "--target", "smollm2-135m", "--raw")
     assert code == 1 and output == ("polspec: error: batch 'nightly' (id 1) was queued as chat where the target has "

@@ -69,6 +69,7 @@ def generate(ctx: click.Context, input_path: str | None, dataset: str | None, li
       polspec enqueue generate --input prompts.jsonl --target qwen2.5-coder-1.5b --draft smollm2-135m --name run1
       cat prompts.jsonl | polspec enqueue generate --input - --target qwen2.5-coder-1.5b --json
     """
+    from polspec.jobs.control import counted
     from polspec.jobs.enqueue import enqueue_generate
     from polspec.jobs.spec import GenerateSpec, parse_jsonl
 
@@ -95,7 +96,7 @@ def generate(ctx: click.Context, input_path: str | None, dataset: str | None, li
         return
     label = f"batch {done.batch_id}" + (f" ({done.name})" if done.name else "")
     already = f", {done.existing} already there" if done.existing else ""
-    click.echo(f"{label}: {done.added} items queued on {done.queue}{already}")
+    click.echo(f"{label}: {counted(done.added)} queued on {done.queue}{already}")
     click.echo(f"run them with: polspec worker --burst    follow with: polspec status {done.batch_id} --watch")
 
 
