@@ -178,6 +178,26 @@ def test_an_alias_written_by_hand_that_names_no_file_is_one_line(isolated_home):
                                      "letters, digits, '.', '_' and '-', starting with a letter or digit\n")
 
 
+def test_none_is_no_alias_in_any_case(isolated_home, tmp_path):
+    """``[models.None]`` was taken, and --draft None then queued target-only work with a note that
+    --k had no effect."""
+    isolated_home.mkdir(parents=True)
+    (isolated_home / "models.toml").write_text('[models.None]\nsource = "hf:Org/model"\n')
+    code, output = run_cli("models", "list")
+    assert (code, output) == (1, f"polspec: error: {isolated_home / 'models.toml'}: [models.None] cannot be an alias: "
+                                 "none means no model (--draft none)\n")
+    (isolated_home / "models.toml").unlink()
+    code, output = run_cli("models", "import", str(tmp_path / "a.gguf"), "--name", "NONE")
+    assert (code, output) == (1, "polspec: error: --name 'NONE' cannot be an alias: none means no model (--draft none)\n")
+
+
+def test_a_probe_of_a_model_against_itself_is_refused_before_anything_loads(isolated_home):
+    code, output = run_cli("models", "probe", "gemma3-270m", "gemma3-270m")
+    assert (code, output) == (1, "polspec: error: the draft gemma3-270m is the target's own model: its steps cost "
+                                 "what the target's do, so no acceptance pays; probe a smaller draft\n")
+    assert not (isolated_home / "models").exists()  # nothing fetched
+
+
 def test_work_that_a_killed_process_left_is_removed_by_the_next(isolated_home):
     """A fetch or import killed (for memory, say) left gigabytes in the cache for good. Work of
     a live process, of another machine sharing the cache, or touched within the hour (should

@@ -16,7 +16,7 @@ from polspec.cli.options import a_path
 from polspec.cli.progress import progress_bar
 from polspec.errors import PolspecError
 from polspec.files import user_path
-from polspec.models.registry import ModelEntry, TokenizerEntry, load_registry
+from polspec.models.registry import ModelEntry, TokenizerEntry, load_registry, same_model
 
 # Below this share of the target's Polish tokens, speculative sampling's acceptance is visibly
 # capped by what the draft cannot propose.
@@ -110,12 +110,14 @@ def import_(path: Path, name: str, tokenizer_family: str | None) -> None:
       polspec models import ~/Pobrane/Bielik-1.5B-v3.0-Instruct.Q8_0.gguf --name bielik-1.5b-q8
     """
     from polspec.models.files import import_gguf_file
-    from polspec.models.registry import ALIAS_PATTERN, add_user_model
+    from polspec.models.registry import ALIAS_PATTERN, NO_MODEL, add_user_model
 
     for option, value, what in (("--name", name, "an alias"), ("--tokenizer-family", tokenizer_family, "a family")):
         if value is not None and not re.fullmatch(ALIAS_PATTERN, value):
             raise PolspecError(f"{option} {value!r}: {what} is letters, digits, '.', '_' and '-', starting with a "
                                "letter or digit")
+    if name.lower() == NO_MODEL:
+        raise PolspecError(f"--name {name!r} cannot be an alias: {NO_MODEL} means no model (--draft none)")
     registry = load_registry()
     if name in registry.models:
         raise PolspecError(f"alias {name!r} already exists; choose another --name")
@@ -210,8 +212,10 @@ def probe(target: str, draft: str, repeats: int, as_json: bool) -> None:
         click.echo(f"note: {repeats} repeat(s) give noisy figures, and --k auto and reports will use them; "
                    "3 or more are steadier", err=True)
     registry = load_registry()
-    registry.model(target)  # both aliases before either model loads: a mistyped draft is told at once
-    registry.model(draft)
+    ours, theirs = registry.model(target), registry.model(draft)  # before either loads: a typo is told at once
+    if same_model(ours, theirs):
+        raise PolspecError(f"the draft {draft} is the target's own model: its steps cost what the target's do, so "
+                           "no acceptance pays; probe a smaller draft")
     with progress_bar("loading") as report:
         target_model, draft_model = load_model(target, progress=report), load_model(draft, progress=report)
     with progress_bar("measuring") as report:

@@ -166,14 +166,12 @@ def decoding_params(options: dict):
 def note_if_the_draft_is_the_target(target: str, draft: str) -> None:
     """Say so, on stderr, when the draft is the target's own weights: the output stays exact,
     but each draft token costs a target step, so speculation can only lose."""
-    from polspec.models.registry import load_registry
+    from polspec.models.registry import load_registry, same_model
 
     if draft == "none":
         return
     registry = load_registry()
-    ours, theirs = registry.model(target), registry.model(draft)
-    # One GGUF file's bytes under two aliases (an import of a registered model) are one model too.
-    if (ours.sha256 or ours.source) == (theirs.sha256 or theirs.source):
+    if same_model(registry.model(target), registry.model(draft)):
         click.echo(f"note: the draft {draft} is the target's own model: its guesses cost as much as the "
                    "target's steps, so --draft none is faster", err=True)
 

@@ -24,6 +24,7 @@ from polspec.settings import user_registry_file
 TOKENIZER_PREFIX = "tok:"
 # What `polspec models import --name` accepts: an alias that needs no quoting anywhere.
 ALIAS_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]*"
+NO_MODEL = "none"  # what --draft takes for target-only decoding: no alias, in any case
 MODEL_KEYS = {"source", "sha256", "architecture", "tokenizer_family", "chat_template", "eos_tokens", "description",
               "draft_vocab"}
 TOKENIZER_KEYS = {"source", "sha256", "format", "tokenizer_family", "description"}
@@ -86,6 +87,12 @@ class Registry:
         raise PolspecError(_unknown("tokenizer", alias, list(self.tokenizers)))
 
 
+def same_model(one: ModelEntry, other: ModelEntry) -> bool:
+    """Whether two aliases name one model: one GGUF file's bytes under two aliases (an import of
+    a registered model) are one model too."""
+    return (one.sha256 or one.source) == (other.sha256 or other.source)
+
+
 def _unknown(kind: str, alias: str, known: list[str]) -> str:
     by_lower = {name.lower(): name for name in known}
     close = [by_lower[name] for name in difflib.get_close_matches(alias.lower(), list(by_lower), n=3, cutoff=0.5)]
@@ -137,6 +144,8 @@ def parse_registry(text: str, where: str, base: Registry | None = None) -> Regis
         if not re.fullmatch(ALIAS_PATTERN, alias):  # an alias names files: a '/' or '..' leads out of their folder
             raise PolspecError(f"{where}: [models.{alias}] is no alias: letters, digits, '.', '_' and '-', starting "
                                "with a letter or digit")
+        if alias.lower() == NO_MODEL:
+            raise PolspecError(f"{where}: [models.{alias}] cannot be an alias: {NO_MODEL} means no model (--draft none)")
         table = _over(base and base.models.get(alias), table)
         _check_keys(where, f"models.{alias}", table, MODEL_KEYS)
         table = dict(table, eos_tokens=tuple(table.get("eos_tokens", ())))
