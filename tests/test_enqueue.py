@@ -352,6 +352,10 @@ def test_bad_models_and_options_write_nothing(env, tmp_path, args, message):
 def test_unknown_dataset_empty_file_and_missing_file(env, tmp_path):
     code, output = invoke(env, "--dataset", "pl-poezja")
     assert code == 1 and "unknown dataset 'pl-poezja'; built-in: pl-wiki" in output
+    for name in ("hf:", "hf:/x", "hf:a/b/c"):  # said to need the datasets package, as if the name were right
+        code, output = invoke(env, "--dataset", name)
+        assert (code, output) == (1, f"polspec: error: {name}: not a dataset repository name, such as "
+                                     "hf:OWNER/NAME[:SPLIT]\n")
     empty = write_jsonl(tmp_path / "empty.jsonl", ["", "  "])
     code, output = invoke(env, "--input", str(empty))
     assert code == 1 and f"{empty}: no prompts in it" in output

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import numbers
@@ -163,8 +164,12 @@ class DecodingParams:
 
 def as_written(value: object) -> str:
     """A value in an error as a JSONL line or a TOML file writes it: ``true``, not ``True``;
-    text in quotes, as Python would show it."""
-    return repr(value) if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=repr)
+    a TOML date or time as written (``1979-05-27``); text in quotes, as Python would show it."""
+    if isinstance(value, (datetime.date, datetime.time)):  # a datetime is a date too
+        return value.isoformat()
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)  # nan, inf: TOML's spelling
+    return repr(value) if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
 
 
 def is_whole_number(value: object) -> bool:

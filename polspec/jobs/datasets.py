@@ -84,11 +84,18 @@ def _hf_repo_and_split(name: str) -> tuple[str, str]:
 
 
 def _hugging_face(name: str, base: DecodingParams, limit: int | None) -> list[ItemInput]:
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    repo, split = _hf_repo_and_split(name)
+    try:  # a malformed name is the user's to fix whatever is installed
+        validate_repo_id(repo)
+    except HFValidationError:
+        raise PolspecError(f"hf:{name}: not a dataset repository name, such as hf:OWNER/NAME[:SPLIT]") from None
     try:
         import datasets
     except ImportError:
         raise PolspecError(f"hf:{name} needs the datasets package: pip install 'polspec[hf]'") from None
-    repo, split = _hf_repo_and_split(name)
     try:
         rows = datasets.load_dataset(repo, split=split, streaming=True)
     except Exception as error:  # the hub client raises many kinds (offline, not found, gated)

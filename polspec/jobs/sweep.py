@@ -54,7 +54,7 @@ from itertools import product
 from pathlib import Path
 from typing import Any
 
-from polspec.decoding.params import STRATEGY_OPTIONS, DecodingParams, is_whole_number, options_unread_by
+from polspec.decoding.params import STRATEGY_OPTIONS, DecodingParams, as_written, is_whole_number, options_unread_by
 from polspec.errors import PolspecError, not_utf8, past_parser_limits
 from polspec.jobs.datasets import dataset_source, load_dataset
 from polspec.jobs.spec import GenerateSpec, ItemInput, check_items_fit, check_models, has_control_characters
@@ -279,7 +279,7 @@ def _list(config: dict[str, Any], key: str, source: str) -> list:
         raise PolspecError(f"{source}: '{key}' is missing")
     values = config[key]
     if not isinstance(values, list) or not values:
-        raise PolspecError(f"{source}: '{key}' must be a non-empty list, got {values!r}")
+        raise PolspecError(f"{source}: '{key}' must be a non-empty list, got {as_written(values)}")
     _refuse_repeats(values, str, key, source)
     return values
 
@@ -298,7 +298,7 @@ def _check_aliases(target: str, drafts: list, source: str) -> None:
     registry = load_registry()
     for alias in [target, *drafts]:
         if not isinstance(alias, str):
-            raise PolspecError(f"{source}: 'drafts' must list model aliases (text), got {alias!r}")
+            raise PolspecError(f"{source}: 'drafts' must list model aliases (text), got {as_written(alias)}")
         try:
             registry.model(alias)
         except PolspecError as error:
@@ -314,7 +314,7 @@ def _temperatures(config: dict[str, Any], source: str) -> list[float]:
     values = _list(config, "temperatures", source)
     for value in values:
         if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
-            raise PolspecError(f"{source}: 'temperatures' must list numbers of at least 0, got {value!r}")
+            raise PolspecError(f"{source}: 'temperatures' must list numbers of at least 0, got {as_written(value)}")
     _refuse_repeats(values, float, "temperatures", source)  # 0 and 0.0 are one temperature
     return [float(value) for value in values]
 
@@ -341,7 +341,7 @@ def _number(value: float) -> str:
 
 def _at_least_one(value: object, where: str, source: str) -> int | None:
     if value is not None and (not is_whole_number(value) or value < 1):
-        raise PolspecError(f"{source}: {where} must be a whole number of at least 1, got {value!r}")
+        raise PolspecError(f"{source}: {where} must be a whole number of at least 1, got {as_written(value)}")
     return value
 
 
