@@ -162,12 +162,14 @@ _backend: Backend | None = None
 
 @functools.cache
 def _blas() -> ctypes.CDLL | None:
-    return ctypes.CDLL(BLAS_FIX.library) if BLAS_FIX.active else None
+    """The fix's library where it is an OpenBLAS (``POLSPEC_BLAS`` may name another BLAS)."""
+    blas = ctypes.CDLL(BLAS_FIX.library) if BLAS_FIX.active else None
+    return blas if blas is not None and hasattr(blas, "openblas_set_num_threads") else None
 
 
 def blas_threads() -> int | None:
     """The threads the OpenBLAS of the BLAS fix runs a product on; None without the fix
-    (macOS's Accelerate, a GPU, ``POLSPEC_BLAS=off``)."""
+    (macOS's Accelerate, a GPU, ``POLSPEC_BLAS=off``) or where it is another BLAS."""
     blas = _blas()
     return blas.openblas_get_num_threads() if blas is not None else None
 

@@ -9,8 +9,9 @@ marks itself as decoding (a file of its own under ``locks_dir()/decoding``, touc
 once a second), counts the processes of this machine that marked themselves within
 :data:`DECODING_WITHIN_S` and still run, and gives its BLAS an equal share of the threads it
 started with (at least one). One that stops decoding (a worker waiting for jobs) stops
-counting after :data:`DECODING_WITHIN_S`, and the others take their threads back. Prefill and
-the probe's measurements take their share between forwards too.
+counting once its generation or batch ends (:func:`release_cores`), or, killed or stuck, after
+:data:`DECODING_WITHIN_S`, and the others take their threads back. Prefill and the probe's
+measurements take their share between forwards too.
 
 Nothing changes where the user set the BLAS's threads (``OPENBLAS_NUM_THREADS`` and the like),
 where there is no BLAS fix (macOS, whose Accelerate has no such pool), or in a process that
@@ -23,6 +24,8 @@ import atexit
 import os
 import re
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from polspec import backend
@@ -35,6 +38,10 @@ from polspec.settings import blas_threads_set, locks_dir
 # process takes back threads from one in the middle of it. A share too small for a while costs
 # a process alone about 13% of its speed here; one too large costs the machine tenfold.
 DECODING_WITHIN_S = 60.0
+# The window while a probe measures (:func:`measuring`): its figures stand for the machine for
+# good, so it shares only with processes that decoded a moment ago, not with a worker that has
+# just gone idle.
+MEASURING_WITHIN_S = 10.0
 # How often a process looks again: marking and counting costs a directory listing.
 CHECK_EVERY_S = 1.0
 # A mark this old is a process that is gone without tidying up (killed): anyone removes it.
@@ -42,6 +49,7 @@ FORGOTTEN_AFTER_S = 3600.0
 
 _started_with: int | None = None  # the threads this process's BLAS started with
 _last_check = -CHECK_EVERY_S
+_within_s = DECODING_WITHIN_S  # who counts as decoding: MEASURING_WITHIN_S while a probe measures
 
 
 def share_cores() -> None:
@@ -55,20 +63,35 @@ def share_cores() -> None:
     balance_blas_threads()
 
 
+@contextmanager
+def measuring() -> Iterator[None]:
+    """While a probe measures: share only with the processes that decoded within
+    :data:`MEASURING_WITHIN_S`, from the start."""
+    global _within_s
+    _within_s = MEASURING_WITHIN_S
+    try:
+        balance_blas_threads()
+        yield
+    finally:
+        _within_s = DECODING_WITHIN_S
+        release_cores()
+
+
 def balance_blas_threads() -> int | None:
-    """Mark this process as decoding now, count the decoding processes of this machine, and set
-    this one's BLAS threads to its share; returns them (None where polspec leaves the BLAS alone)."""
+    """Mark this process as decoding now, count the processes of this machine that decode (see
+    :func:`decoding_processes`), and set this one's BLAS threads to its share; returns them (None
+    where polspec leaves the BLAS alone)."""
     global _started_with
     if blas_threads_set() or backend.blas_threads() is None or backend.setup().device != "cpu":
         return None
     if _started_with is None:
         _started_with = backend.blas_threads()
-        atexit.register(_unmark)
+        atexit.register(release_cores)
     try:
         mark = mark_path()
         mark.parent.mkdir(parents=True, exist_ok=True)
         mark.touch()
-        sharing = decoding_processes()
+        sharing = decoding_processes(_within_s)
     except (OSError, PolspecError):  # an unwritable POLSPEC_HOME: decoding goes on with the threads it has
         return backend.blas_threads()
     share = max(1, _started_with // max(1, sharing))
@@ -77,9 +100,9 @@ def balance_blas_threads() -> int | None:
     return share
 
 
-def decoding_processes() -> int:
-    """The processes of this machine that decoded within :data:`DECODING_WITHIN_S` and still run,
-    this one included once it has marked itself; tidies away the marks of processes long gone."""
+def decoding_processes(within_s: float = DECODING_WITHIN_S) -> int:
+    """The processes of this machine that decoded within ``within_s`` and still run, this one
+    included once it has marked itself; tidies away the marks of processes long gone."""
     prefix = _host_prefix()
     now = time.time()
     count = 0
@@ -95,7 +118,7 @@ def decoding_processes() -> int:
             continue
         if not pid_alive(int(pid)) or age > FORGOTTEN_AFTER_S:
             _remove(mark)
-        elif age <= DECODING_WITHIN_S:
+        elif age <= within_s:
             count += 1
     return count
 
@@ -123,7 +146,12 @@ def mark_path(pid: int | None = None) -> Path:
     return _marks_dir() / f"{_host_prefix()}{os.getpid() if pid is None else pid}"
 
 
-def _unmark() -> None:
+def release_cores() -> None:
+    """This process stops decoding (a generation or a batch has ended): its mark goes, so the
+    others take its threads back at their next look, not :data:`DECODING_WITHIN_S` later; and
+    its own next round looks again at once."""
+    global _last_check
+    _last_check = -CHECK_EVERY_S
     try:
         _remove(mark_path())
     except PolspecError:  # POLSPEC_HOME went away

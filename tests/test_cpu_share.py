@@ -94,6 +94,23 @@ def test_a_process_that_stopped_decoding_no_longer_counts(alone: int, isolated_h
         end(other)
 
 
+def test_a_probe_shares_only_with_processes_decoding_a_moment_ago(alone: int, isolated_home: Path):
+    """A probe's figures stand for good: one taken on half the threads beside a worker that had
+    just gone idle would price every round at half the machine."""
+    other, _ = start_decoding_process(isolated_home)
+    try:
+        between_two_jobs = time.time() - cpu_share.MEASURING_WITHIN_S - 5
+        os.utime(cpu_share.mark_path(other.pid), (between_two_jobs, between_two_jobs))
+        with cpu_share.measuring():
+            assert backend.blas_threads() == alone
+            os.utime(cpu_share.mark_path(other.pid))  # it decodes again
+            assert cpu_share.balance_blas_threads() == alone // 2
+        os.utime(cpu_share.mark_path(other.pid), (between_two_jobs, between_two_jobs))
+        assert cpu_share.balance_blas_threads() == alone // 2  # decoding, it still counts
+    finally:
+        end(other)
+
+
 def test_another_machine_s_marks_on_a_shared_home_do_not_count_until_they_are_tidied_away(alone: int):
     marks = cpu_share.mark_path().parent
     recent, forgotten = marks / "laptop_boot_0a1b2c3d4e5f-4242", marks / "laptop_boot_0a1b2c3d4e5f-4343"
@@ -128,5 +145,8 @@ def test_decoding_takes_its_share_of_the_cores(alone: int, isolated_home: Path, 
         else:
             assert len(generate(smollm2, None, "Kraków jest", params).token_ids) == 2
         assert backend.blas_threads() == alone // 2
+        # Done decoding, it gives the cores back at once: a process waiting for the next job (or
+        # a test waiting for a worker) held half of them for a minute.
+        assert not cpu_share.mark_path().exists()
     finally:
         end(other)

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from transformers import PreTrainedTokenizerFast
 
 from polspec.decoding.draft_vocab import polish_texts
 from polspec.decoding.metrics import DecodeMetrics
@@ -12,7 +19,11 @@ from polspec.decoding.params import DecodingParams
 from polspec.decoding.policy import DraftLength
 from polspec.decoding.speculative import settle_round
 from polspec.decoding.fidelity import Fidelity, oracle_fidelity
-from polspec.decoding.translate import complete_utf8, encode_after, extend_tokens, token_bytes, translate_draft_to_target
+from polspec.decoding.translate import (complete_utf8, encode_after, extend_tokens, same_tokenizer, token_bytes,
+                                       translate_draft_to_target)
+from polspec.errors import PolspecError
+from polspec.models.loader import LoadedModel
+from polspec.models.registry import load_registry
 
 FAMILIES = ["tok:mistral-32k", "tok:llama3", "qwen2.5-coder-1.5b", "smollm2-135m", "gemma3-270m"]
 PAIRS = [("tok:mistral-32k", draft) for draft in ("qwen2.5-coder-1.5b", "tok:llama3", "smollm2-135m", "gemma3-270m")] + [
@@ -176,3 +187,30 @@ def test_oracle_fidelity_of_aligned(tables, target, draft, k):
     assert hold.tokens_per_round > 1.5
     assert verify.tokens_per_round >= context.tokens_per_round
     assert verify.tokens_per_round > hold.tokens_per_round
+
+
+# --- One tokenizer family ------------------------------------------------------------------
+
+
+def family_member(alias: str, tokens: list[str]) -> LoadedModel:
+    """A model registered in the qwen2.5 family whose tokenizer has ``tokens`` as its ids (no
+    weights: which tokenizer a pair shares is decided before any forward)."""
+    vocabulary = Tokenizer(WordLevel({token: index for index, token in enumerate(tokens)}, unk_token=tokens[0]))
+    entry = dataclasses.replace(load_registry().model("qwen2.5-coder-1.5b"), alias=alias)
+    return LoadedModel(entry, Path("."), None, TokenizerWrapper(PreTrainedTokenizerFast(tokenizer_object=vocabulary)),
+                       "float32", 0.0)
+
+
+def test_one_family_may_rename_a_few_control_tokens_but_not_its_vocabulary():
+    words = [f"w{index}" for index in range(400)]
+    base = family_member("base", words)
+    chat = family_member("chat", ["<|im_start|>", "<|im_end|>", *words[2:]])  # 2 of 400 renamed
+    longer = family_member("longer", [*words, "<|extra|>"])  # ids past the other's vocabulary are its own
+    assert same_tokenizer(base, chat) and same_tokenizer(chat, base) and same_tokenizer(base, longer)
+    other = family_member("other", [f"x{index}" for index in range(5)] + words[5:])  # 5 of 400: over 1%
+    with pytest.raises(PolspecError, match=r"^other and base are registered as one tokenizer family \(qwen2\.5\), "
+                                           r"but 5 of the 400 ids they share name different tokens \(id 0 is 'x0' "
+                                           r"to other and 'w0' to base\)"):
+        same_tokenizer(base, other)
+    stranger = dataclasses.replace(other, entry=dataclasses.replace(other.entry, tokenizer_family="x"))
+    assert not same_tokenizer(base, stranger)  # another family: translated, whatever its ids

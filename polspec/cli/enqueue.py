@@ -42,7 +42,7 @@ def enqueue() -> None:
 
     \b
     Examples:
-      polspec enqueue generate --dataset pl-wiki --target qwen2.5-coder-1.5b --draft gemma3-270m
+      polspec enqueue generate --dataset pl-wiki --target qwen2.5-coder-1.5b --draft smollm2-135m
       polspec enqueue sweep --config sweep.toml
     """
 
@@ -183,7 +183,8 @@ def sweep(config_path: Path, dry_run: bool, as_json: bool) -> None:
     if done.reopened:  # resuming queues failed and cancelled items again, a cancelled sweep's too
         counts = " and ".join(f"{count} {status}" for status, count in sorted(done.reopened.items()))
         whose = f"sweep {done.batch_id} was cancelled; its" if done.was_cancelled else f"sweep {done.batch_id}'s"
-        click.echo(f"note: {whose} {counts} items are queued again (polspec cancel {done.batch_id} stops them)",
+        items = "item is" if sum(done.reopened.values()) == 1 else "items are"
+        click.echo(f"note: {whose} {counts} {items} queued again (polspec cancel {done.batch_id} stops them)",
                    err=True)
     verb = "resumed" if done.resumed else "queued"
     waiting = done.items - done.done - done.enqueued  # unfinished items that kept their job

@@ -38,7 +38,7 @@ from polspec import backend  # noqa: F401  (before mlx: the Linux BLAS fix)
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache
 
-from polspec.cpu_share import share_cores
+from polspec.cpu_share import release_cores, share_cores
 from polspec.decoding import batch_kv
 from polspec.decoding.acceptance import acceptance_estimate
 from polspec.decoding.commit import Commit
@@ -265,6 +265,8 @@ class BatchDecoder:
             metrics.decode_s = metrics.draft_s + metrics.translate_s + metrics.verify_s + metrics.resync_s
             metrics.batch_size += (batch - metrics.batch_size) / metrics.rounds
         self._leave(finished)
+        if not self:
+            release_cores()  # until a sequence joins again: the cores are the others' meanwhile
         return events
 
     # --- the round's parts -------------------------------------------------------------------

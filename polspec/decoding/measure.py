@@ -11,7 +11,7 @@ from polspec import backend  # before mlx: the Linux BLAS fix
 
 import mlx.core as mx
 
-from polspec.cpu_share import share_cores
+from polspec.cpu_share import measuring, share_cores
 from polspec.decoding import batch_kv
 from polspec.decoding.costmodel import BATCH_POSITIONS, BATCH_SIZES, RHO_SIZES, BatchCost, Probe
 from polspec.decoding.draft_head import DraftHead
@@ -21,7 +21,7 @@ from polspec.decoding.params import DecodingParams
 from polspec.decoding.policy import DraftLength
 from polspec.decoding.probe_files import machine_key
 from polspec.decoding.speculative import DraftSide
-from polspec.decoding.translate import token_bytes, translate_draft_to_target
+from polspec.decoding.translate import same_tokenizer, token_bytes, translate_draft_to_target
 from polspec.errors import PolspecError
 from polspec.models.loader import LoadedModel
 
@@ -52,6 +52,13 @@ def measure_probe(target: LoadedModel, draft: LoadedModel, repeats: int = 9, con
     """
     if repeats < 1:
         raise PolspecError(f"repeats must be at least 1, got {repeats}")
+    same_tokenizer(target, draft)  # a wrong tokenizer family is refused before minutes of measuring
+    with measuring():
+        return _measured_probe(target, draft, repeats, context, batch_sizes, draft_vocab, stage)
+
+
+def _measured_probe(target: LoadedModel, draft: LoadedModel, repeats: int, context: int,
+                    batch_sizes: tuple[int, ...], draft_vocab: int | str, stage: Callable[[str], None]) -> Probe:
     head = draft_head(draft, draft_vocab)
     stage(f"target forwards over 1-{RHO_SIZES} tokens")
     target_times = _forward_times(target, target.model, range(1, RHO_SIZES + 1), repeats, context)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from polspec import backend  # noqa: F401  (before mlx: the Linux BLAS fix)
 
-from polspec.cpu_share import share_cores
+from polspec.cpu_share import release_cores, share_cores
 from polspec.decoding.acceptance import acceptance_estimate
 from polspec.decoding.autoregressive import generate_autoregressive
 from polspec.decoding.commit import Commit
@@ -20,6 +20,7 @@ from polspec.decoding.policy import DraftLength
 from polspec.decoding.probe_files import load_probe, save_probe
 from polspec.decoding.prompts import Prompt, draft_cannot_take, encode_prompt, encode_request  # noqa: F401  (encode_prompt: part of this API)
 from polspec.decoding.speculative import generate_speculative
+from polspec.decoding.translate import same_tokenizer
 from polspec.models.loader import LoadedModel
 
 @dataclass
@@ -45,6 +46,8 @@ def stream(
     ``chat=None`` uses the chat template when the target has one. ``metrics`` is filled
     in as decoding goes.
     """
+    if draft is not None:
+        same_tokenizer(target, draft)  # a wrong tokenizer family is refused, whether the draft runs or not
     target_ids, draft_ids = encode_request(target, draft, prompt, params, chat)
     speculative = draft is not None
     if draft is not None and (reason := draft_cannot_take(draft, draft_ids, params)):
@@ -63,7 +66,8 @@ def stream(
 
 def sharing_cores(commits: Generator[Commit, None, None]) -> Iterator[Commit]:
     """``commits``, this process taking its share of the CPU (:func:`~polspec.cpu_share.share_cores`)
-    before the first round and between rounds; closing it closes ``commits`` at once."""
+    before the first round and between rounds, and giving it back at the end; closing it closes
+    ``commits`` at once."""
     share_cores()
     try:
         for commit in commits:
@@ -71,6 +75,7 @@ def sharing_cores(commits: Generator[Commit, None, None]) -> Iterator[Commit]:
             share_cores()
     finally:
         commits.close()
+        release_cores()
 
 
 def stored_probe(target: LoadedModel, draft: LoadedModel, batched: bool = False,
