@@ -106,6 +106,8 @@ def decoding_processes(within_s: float = DECODING_WITHIN_S) -> int:
     prefix = _host_prefix()
     now = time.time()
     count = 0
+    if not _marks_dir().is_dir():  # nothing has decoded with this home yet
+        return 0
     for mark in _marks_dir().iterdir():
         try:
             age = now - mark.stat().st_mtime

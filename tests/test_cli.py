@@ -15,6 +15,7 @@ import pytest
 import redis
 from click.testing import CliRunner
 
+from polspec import backend
 from polspec.cli import main
 from polspec.cli.doctor import _redis_report
 from polspec.cli.options import note_if_the_draft_is_the_target
@@ -47,6 +48,7 @@ def test_doctor_reports_backend_redis_database_and_energy(redis_url, sqlite_url)
     assert report["device"] in ("cpu", "gpu") and report["matmul_gflops_f32"] > 0
     if platform.system() == "Linux" and report["device"] == "cpu":
         assert report["blas_fix"]["active"], report["blas_fix"]["reason"]
+        assert report["blas_threads"] == {"threads": backend.blas_threads(), "shared": True, "decoding_processes": 0}
     assert report["redis"]["reachable"] and report["redis"]["aof"] and "warning" not in report["redis"]
     assert report["database"]["revision"] is None and report["database"]["head"] == head_revision()
     energy = report["energy"]

@@ -85,6 +85,23 @@ def _settings_report(sqlite: bool) -> dict:
     return {"errors": errors}
 
 
+def _blas_threads_report(device: str) -> dict:
+    """The threads the BLAS fix's OpenBLAS runs a product on, and whether polspec shares them
+    among the processes decoding on this machine (:mod:`polspec.cpu_share`), with how many do now."""
+    from polspec import backend
+    from polspec.cpu_share import decoding_processes
+    from polspec.settings import blas_threads_set
+
+    threads = backend.blas_threads()
+    if threads is None:
+        return {"threads": None, "shared": False, "reason": "no OpenBLAS of the BLAS fix here"}
+    if blas_threads_set():
+        return {"threads": threads, "shared": False, "reason": "set by OPENBLAS_NUM_THREADS or OMP_NUM_THREADS"}
+    if device != "cpu":
+        return {"threads": threads, "shared": False, "reason": "decoding runs on the GPU"}
+    return {"threads": threads, "shared": True, "decoding_processes": decoding_processes()}
+
+
 def collect() -> dict:
     """Everything doctor reports, as plain data."""
     from polspec import backend
@@ -102,6 +119,7 @@ def collect() -> dict:
         "gpu": info.kind if info.kind != "cpu" else None,
         "dtype_policy": info.dtype,
         "blas_fix": {"active": info.blas.active, "library": info.blas.library, "reason": info.blas.reason},
+        "blas_threads": _blas_threads_report(info.device),
         "matmul_gflops_f32": round(backend.measure_matmul_gflops(), 1),
         "memory_bandwidth_gbps": round(backend.measure_memory_bandwidth(), 1),
         "home": str(polspec_home()),
@@ -124,7 +142,7 @@ def failures(report: dict) -> list[str]:
 def _print_human(report: dict, failed: list[str]) -> None:
     marks = {"ok": click.style("ok", fg="green"), "warning": click.style("--", fg="yellow"),
              "failure": click.style("!!", fg="red")}
-    blas = report["blas_fix"]
+    blas, threads = report["blas_fix"], report["blas_threads"]
     redis_report, db, energy = report["redis"], report["database"], report["energy"]
     lines = [
         ("platform", True, f"{report['platform']}, Python {report['python']}"),
@@ -132,6 +150,9 @@ def _print_human(report: dict, failed: list[str]) -> None:
          + (f" ({report['gpu']})" if report["gpu"] else "") + f", dtype policy {report['dtype_policy']}"),
         ("blas fix", blas["active"] or not report["platform"].startswith("Linux"),
          f"{'active' if blas['active'] else 'inactive'}: {blas['library'] or blas['reason']}"),
+        ("threads", True, f"{threads['threads']} a product, shared among the polspec processes decoding on "
+                               f"this machine ({threads['decoding_processes']} now)" if threads["shared"]
+         else f"{threads['threads'] or '-'}, not shared: {threads['reason']}"),
         ("matmul", True, f"{report['matmul_gflops_f32']} GFLOP/s (float32, 1024x1024)"),
         ("bandwidth", True, f"{report['memory_bandwidth_gbps']} GB/s (weights read by a matrix-vector product)"),
         ("home", True, report["home"]),
