@@ -838,6 +838,12 @@ def test_readonly_engine_refuses_writes(engine: Engine) -> None:
         connection.execute(text("DELETE FROM batches"))
     with pytest.raises(PolspecError, match=r"^results sql only reads: the query would change the database \("):
         run_sql(reader, "DELETE FROM batches")  # in words that do not blame the file
+    # Statements that select nothing printed an empty line and succeeded.
+    assert run_sql(reader, "SELECT 1 AS a WHERE 1 = 0") == (["a"], [])  # a query with no rows is an answer
+    setting = "PRAGMA foreign_keys = OFF" if reader.dialect.name == "sqlite" else "SET search_path TO public"
+    with pytest.raises(PolspecError, match=re.escape("results sql shows what a query selects, and this statement "
+                                                     f"selects nothing: {setting!r}")):
+        run_sql(reader, setting)
     reader.dispose()
 
 

@@ -329,8 +329,8 @@ def run_sql(engine: Engine, sql: str) -> tuple[list[str], list[tuple]]:
             # of the format styles (psycopg) read "%" as one too, unless doubled.
             escaped = sql.replace("%", "%%") if engine.dialect.paramstyle in ("format", "pyformat") else sql
             result = connection.exec_driver_sql(escaped)
-            if not result.returns_rows:
-                return [], []
+            if not result.returns_rows:  # a setting or a temporary table: nothing to show, and no query
+                raise PolspecError(f"{NOT_A_QUERY}: {' '.join(sql.split())[:60]!r}")
             return list(result.keys()), [tuple(row) for row in result]
     except DatabaseFailure as error:  # SQLite's refusals come as the engine's DatabaseFailure
         if _refused_write(error.reason):
@@ -347,6 +347,7 @@ def run_sql(engine: Engine, sql: str) -> tuple[list[str], list[tuple]]:
 # read-only, and PostgreSQL's. Their own words follow in brackets.
 _WRITE_REFUSALS = ("attempt to write a readonly database", "in a read-only transaction")
 ONLY_READS = "results sql only reads: the query would change the database"
+NOT_A_QUERY = "results sql shows what a query selects, and this statement selects nothing"
 
 
 def _refused_write(reason: str) -> bool:
