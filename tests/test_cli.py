@@ -331,7 +331,7 @@ def test_tables_print_whole_when_the_output_is_not_a_terminal(monkeypatch):
 
 
 @pytest.mark.slow
-def test_a_draft_put_in_the_target_s_tokenizer_family_by_mistake_is_refused(home_with_models):
+def test_a_draft_put_in_the_target_s_tokenizer_family_by_mistake_is_refused(home_with_models, closed_port):
     """A wrong --tokenizer-family made the target read the draft's ids as its own: every round
     proposed tokens the draft had not chosen, and nothing said so. (The tolerance for a family's
     renamed control tokens: test_translate; a family's pair decoding untranslated: the twin pair
@@ -346,3 +346,11 @@ def test_a_draft_put_in_the_target_s_tokenizer_family_by_mistake_is_refused(home
         "polspec: error: smol-as-gemma and gemma3-270m are registered as one tokenizer family (gemma3), but ")
     assert "id 0 is '<|endoftext|>' to smol-as-gemma and '<pad>' to gemma3-270m" in output
     assert output.count("\n") == 1
+    refusal = output
+    # Refused as the work is queued too, where both models are on this machine: a sweep's every
+    # item failed on the worker.
+    env = {"POLSPEC_DB_URL": f"sqlite:///{home_with_models / 'results.db'}",
+           "POLSPEC_REDIS_URL": f"redis://127.0.0.1:{closed_port}/0"}
+    code, output = invoke("enqueue", "generate", "--dataset", "pl-short", "--limit", "2", "--target", "gemma3-270m",
+                          "--draft", "smol-as-gemma", "--raw", env=env)
+    assert (code, output) == (1, refusal) and not (home_with_models / "results.db").exists()

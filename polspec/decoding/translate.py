@@ -35,6 +35,7 @@ from polspec.errors import PolspecError
 
 if TYPE_CHECKING:
     from polspec.models.loader import LoadedModel
+    from polspec.models.registry import ModelEntry
 
 _BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 _WORD_START = re.compile(rb"[ \t\n\r]")
@@ -182,22 +183,27 @@ def follow_text(table: TokenBytes, ids: list[int], lag: bytes, new: bytes) -> tu
 
 def same_tokenizer(target: LoadedModel, draft: LoadedModel) -> bool:
     """Whether the draft's ids are the target's: the registry puts both models in one tokenizer
-    family. A PolspecError where it does and their vocabularies name most ids differently (a
-    wrong ``polspec models import --tokenizer-family``): read as the target's, the draft's ids
-    would propose other tokens than it chose, and speculation would be work for nothing. (A
-    model's chat variant may rename a few control tokens: those pass.)"""
-    family = target.entry.tokenizer_family
-    if family != draft.entry.tokenizer_family:
+    family (checked with :func:`check_one_family`)."""
+    if target.entry.tokenizer_family != draft.entry.tokenizer_family:
         return False
-    differ, size, example = _renamed_ids(target.tokenizer._tokenizer, draft.tokenizer._tokenizer)
+    check_one_family(target.entry, target.tokenizer._tokenizer, draft.entry, draft.tokenizer._tokenizer)
+    return True
+
+
+def check_one_family(target: ModelEntry, target_tokenizer: PreTrainedTokenizerFast, draft: ModelEntry,
+                     draft_tokenizer: PreTrainedTokenizerFast) -> None:
+    """A PolspecError where two models the registry puts in one tokenizer family name most ids
+    differently (a wrong ``polspec models import --tokenizer-family``): read as the target's, the
+    draft's ids would propose other tokens than it chose, and speculation would be work for
+    nothing. (A model's chat variant may rename a few control tokens: those pass.)"""
+    differ, size, example = _renamed_ids(target_tokenizer, draft_tokenizer)
     if differ > size * RENAMED_IDS_ALLOWED:
         token_id, theirs, ours = example
         raise PolspecError(
-            f"{draft.entry.alias} and {target.entry.alias} are registered as one tokenizer family ({family}), but "
-            f"{differ:,} of the {size:,} ids they share name different tokens (id {token_id} is {ours!r} to "
-            f"{draft.entry.alias} and {theirs!r} to {target.entry.alias}): give one of them its own family "
+            f"{draft.alias} and {target.alias} are registered as one tokenizer family ({target.tokenizer_family}), "
+            f"but {differ:,} of the {size:,} ids they share name different tokens (id {token_id} is {ours!r} to "
+            f"{draft.alias} and {theirs!r} to {target.alias}): give one of them its own family "
             "(polspec models import --tokenizer-family, or tokenizer_family in models.toml)")
-    return True
 
 
 # The share of ids a tokenizer family's models may name differently: a few control tokens.

@@ -24,7 +24,7 @@ from polspec.decoding.prompts import (
     chat_mode, check_draft_template, check_messages, check_prompt, check_text, encode_with, too_long,
 )
 from polspec.errors import PolspecError, past_parser_limits
-from polspec.models.registry import load_registry
+from polspec.models.registry import ModelEntry, load_registry, same_model
 
 # Decoding parameters a line may set for itself; the rest are per batch.
 ITEM_PARAMS = ("max_tokens", "k", "strategy", "prefix", "partial_word", "temperature", "top_p", "top_k", "seed",
@@ -92,6 +92,22 @@ def check_models(spec: GenerateSpec, items: list[ItemInput], raw_option: str = "
         raise PolspecError(f"{with_messages.where or spec.source}: item {with_messages.key!r} has messages, "
                            f"but {reason}; give it a 'prompt'")
     check_draft_template(target, draft, chat, raw_option)
+    if draft is not None and draft.tokenizer_family == target.tokenizer_family and not same_model(target, draft):
+        _check_family_here(target, draft)
+
+
+def _check_family_here(target: ModelEntry, draft: ModelEntry) -> None:
+    """:func:`~polspec.decoding.translate.check_one_family` for two models of one family, where
+    both are on this machine (enqueue may run where they are not: the worker then refuses every
+    item alike, with the same reason)."""
+    from polspec.decoding.translate import check_one_family
+    from polspec.models.files import cached_path
+    from polspec.models.tokenizers import tokenizer_from_directory
+
+    target_path, draft_path = cached_path(target), cached_path(draft)
+    if target_path is not None and draft_path is not None:
+        check_one_family(target, tokenizer_from_directory(target_path, target.alias),
+                         draft, tokenizer_from_directory(draft_path, draft.alias))
 
 
 # Tokens a chat template may add around the messages, for the cheap test below: the registry's
