@@ -144,8 +144,8 @@ class Row(CellKey):
     acceptance_per_candidate: float | None
     acceptance_per_draft_token: float | None
     tokens_per_round: float | None
-    tokens_per_s: float | None
-    baseline_tokens_per_s: float | None
+    tokens_per_s: float | None  # median over the cell's timed results
+    baseline_tokens_per_s: float | None  # median over the baselines paired with them: the speedup's prompts only
     speedup: float | None
     speedup_low: float | None
     speedup_high: float | None
