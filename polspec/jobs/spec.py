@@ -79,7 +79,8 @@ def has_control_characters(name: str) -> bool:
 def check_models(spec: GenerateSpec, items: list[ItemInput], raw_option: str = "--raw") -> None:
     """Refuse, before anything is queued, what would fail on the worker for every item alike:
     an alias the registry does not know (with close matches), messages for a model with no chat
-    template, or chat mode for a draft with no chat template. ``raw_option`` is how the user
+    template, chat mode for a draft with no chat template, or a draft put in the target's
+    tokenizer family by mistake (where both are on this machine). ``raw_option`` is how the user
     asks for raw text where the check is made (a sweep file says ``raw = true``). What would fail
     for one item is :func:`check_items_fit`'s."""
     registry = load_registry()
