@@ -77,15 +77,27 @@ def measuring() -> Iterator[None]:
         release_cores()
 
 
+def why_not_shared() -> str | None:
+    """Why polspec leaves this process's BLAS threads alone, or None where it shares them."""
+    if backend.blas_threads() is None:
+        return "no OpenBLAS of the BLAS fix here"
+    if blas_threads_set():
+        return "set by OPENBLAS_NUM_THREADS or OMP_NUM_THREADS"
+    if backend.setup().device != "cpu":
+        return "decoding runs on the GPU"
+    return None
+
+
 def balance_blas_threads() -> int | None:
     """Mark this process as decoding now, count the processes of this machine that decode (see
     :func:`decoding_processes`), and set this one's BLAS threads to its share; returns them (None
-    where polspec leaves the BLAS alone)."""
+    where polspec leaves the BLAS alone: :func:`why_not_shared`)."""
     global _started_with
-    if blas_threads_set() or backend.blas_threads() is None or backend.setup().device != "cpu":
+    if why_not_shared() is not None:
         return None
+    current = backend.blas_threads()
     if _started_with is None:
-        _started_with = backend.blas_threads()
+        _started_with = current
         atexit.register(release_cores)
     try:
         mark = mark_path()
@@ -93,9 +105,9 @@ def balance_blas_threads() -> int | None:
         mark.touch()
         sharing = decoding_processes(_within_s)
     except (OSError, PolspecError):  # an unwritable POLSPEC_HOME: decoding goes on with the threads it has
-        return backend.blas_threads()
+        return current
     share = max(1, _started_with // max(1, sharing))
-    if share != backend.blas_threads():
+    if share != current:
         backend.set_blas_threads(share)
     return share
 
@@ -106,9 +118,10 @@ def decoding_processes(within_s: float = DECODING_WITHIN_S) -> int:
     prefix = _host_prefix()
     now = time.time()
     count = 0
-    if not _marks_dir().is_dir():  # nothing has decoded with this home yet
+    marks = _marks_dir()
+    if not marks.is_dir():  # nothing has decoded with this home yet
         return 0
-    for mark in _marks_dir().iterdir():
+    for mark in marks.iterdir():
         try:
             age = now - mark.stat().st_mtime
         except FileNotFoundError:  # its process tidied it away meanwhile

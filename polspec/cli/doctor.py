@@ -85,20 +85,15 @@ def _settings_report(sqlite: bool) -> dict:
     return {"errors": errors}
 
 
-def _blas_threads_report(device: str) -> dict:
+def _blas_threads_report() -> dict:
     """The threads the BLAS fix's OpenBLAS runs a product on, and whether polspec shares them
     among the processes decoding on this machine (:mod:`polspec.cpu_share`), with how many do now."""
     from polspec import backend
-    from polspec.cpu_share import decoding_processes
-    from polspec.settings import blas_threads_set
+    from polspec.cpu_share import decoding_processes, why_not_shared
 
     threads = backend.blas_threads()
-    if threads is None:
-        return {"threads": None, "shared": False, "reason": "no OpenBLAS of the BLAS fix here"}
-    if blas_threads_set():
-        return {"threads": threads, "shared": False, "reason": "set by OPENBLAS_NUM_THREADS or OMP_NUM_THREADS"}
-    if device != "cpu":
-        return {"threads": threads, "shared": False, "reason": "decoding runs on the GPU"}
+    if (reason := why_not_shared()) is not None:
+        return {"threads": threads, "shared": False, "reason": reason}
     return {"threads": threads, "shared": True, "decoding_processes": decoding_processes()}
 
 
@@ -119,7 +114,7 @@ def collect() -> dict:
         "gpu": info.kind if info.kind != "cpu" else None,
         "dtype_policy": info.dtype,
         "blas_fix": {"active": info.blas.active, "library": info.blas.library, "reason": info.blas.reason},
-        "blas_threads": _blas_threads_report(info.device),
+        "blas_threads": _blas_threads_report(),
         "matmul_gflops_f32": round(backend.measure_matmul_gflops(), 1),
         "memory_bandwidth_gbps": round(backend.measure_memory_bandwidth(), 1),
         "home": str(polspec_home()),
