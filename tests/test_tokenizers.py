@@ -157,16 +157,23 @@ def llama3_tiktoken(registry: Registry) -> tiktoken.Encoding:
 
 
 @pytest.fixture(scope="session")
-def qwen_tiktoken(gguf_file_of: Callable[[str], Path]) -> tiktoken.Encoding:
+def qwen_tiktoken(registry: Registry, gguf_file_of: Callable[[str], Path]) -> tiktoken.Encoding:
     """Qwen2.5's byte-level vocabulary as tiktoken ranks (ids are merge ranks in this family),
     read from the GGUF file's own token list rather than from the tokenizer under test, so
-    that a wrong id map in its conversion shows as other ids."""
-    reader = gguf.GGUFReader(gguf_file_of("qwen2.5-coder-1.5b"))
-    tokens = reader.fields["tokenizer.ggml.tokens"].contents()
-    kinds = reader.fields["tokenizer.ggml.token_type"].contents()
+    that a wrong id map in its conversion shows as other ids. The list is kept between runs:
+    gguf's reader takes 10-15 s over this file here."""
+    alias = "qwen2.5-coder-1.5b"
+
+    def vocabulary_entries() -> list[tuple[int, str]]:
+        reader = gguf.GGUFReader(gguf_file_of(alias))
+        tokens = reader.fields["tokenizer.ggml.tokens"].contents()
+        kinds = reader.fields["tokenizer.ggml.token_type"].contents()
+        return [(index, token) for index, (token, kind) in enumerate(zip(tokens, kinds, strict=True))
+                if kind == GGUF_NORMAL_TOKEN]
+
     to_byte = {char: byte for byte, char in bytes_to_unicode().items()}
-    ranks = {bytes(to_byte[char] for char in token): index
-             for index, (token, kind) in enumerate(zip(tokens, kinds, strict=True)) if kind == GGUF_NORMAL_TOKEN}
+    entries = kept_json("gguf-vocabulary", registry.model(alias).sha256, None, vocabulary_entries)
+    ranks = {bytes(to_byte[char] for char in token): index for index, token in entries}
     return tiktoken.Encoding("qwen2.5", pat_str=QWEN2_PATTERN, mergeable_ranks=ranks, special_tokens={})
 
 
