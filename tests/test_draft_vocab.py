@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from polspec.cli import main
-from polspec.decoding import DecodingParams, generate
+from polspec.decoding import DecodingParams, draft_vocab, generate
 from polspec.decoding.batch import stream_batch
 from polspec.decoding.draft_head import DraftHead
 from polspec.decoding.draft_vocab import (
@@ -52,24 +52,28 @@ def test_the_ranking_is_deterministic_and_puts_polish_first(gemma3):
     assert {"▁się", "▁nie", "▁jest"} <= top
 
 
-def test_the_ranking_is_kept_beside_the_model_and_read_back(smollm2, tmp_path):
+def test_the_ranking_is_kept_beside_the_model_and_read_back(smollm2, tmp_path, monkeypatch):
     """Ranking a vocabulary tokenizes the shipped Polish words (seconds for a large one): it is
     written beside the model once and read back after, whole; an unreadable or older file is
     ranked again and replaced, and where no file can be written there it still ranks."""
     beside = dataclasses.replace(smollm2, path=tmp_path)
-    ranked = _rank(smollm2.tokenizer._tokenizer)  # what the cache must give back (each ranking: seconds)
+    ranked = _rank(smollm2.tokenizer._tokenizer)  # what the cache must give back
     kept = tmp_path / RANKING_FILE
     assert token_ranking(beside) == ranked
     assert json.loads(kept.read_text()) == {"format": RANKING_FORMAT, "ranking": ranked}
+    # Past the first, a ranking is counted and answered from the one above (each takes seconds).
+    rankings = []
+    monkeypatch.setattr(draft_vocab, "_rank", lambda tokenizer: rankings.append(tokenizer) or list(ranked))
     kept.write_text(json.dumps({"format": RANKING_FORMAT, "ranking": ranked[::-1]}))
-    assert token_ranking(beside) == ranked[::-1]  # read back, not ranked again
+    assert token_ranking(beside) == ranked[::-1] and rankings == []  # read back, not ranked again
     for stale in (json.dumps({"format": RANKING_FORMAT - 1, "ranking": ranked[::-1]}), "[]"):
         kept.write_text(stale)
         assert token_ranking(beside) == ranked
         assert json.loads(kept.read_text())["ranking"] == ranked
+    assert len(rankings) == 2
     nowhere = tmp_path / "a-file"
     nowhere.write_text("")
-    assert token_ranking(dataclasses.replace(smollm2, path=nowhere)) == ranked
+    assert token_ranking(dataclasses.replace(smollm2, path=nowhere)) == ranked and len(rankings) == 3
 
 
 def test_a_pruned_vocabulary_keeps_every_byte_special_and_end_token(gemma3, smollm2):

@@ -217,6 +217,7 @@ def test_first_sigterm_finishes_the_item_then_stops(env):
     finish(worker, timeout=120)
     after = statuses(env)
     assert after.get("done") == 1 and after.get("queued") == 2 and "running" not in after
+    shorten_unfinished(env, 4)
     worker_in_process(env, "--burst")
     assert_each_item_done_once(env, 3)
 
@@ -315,6 +316,7 @@ def test_first_sigterm_finishes_the_batch_in_flight_then_stops(env):
     finish(worker, timeout=120)
     after = statuses(env)
     assert after.get("done", 0) >= 2 and after.get("queued", 0) >= 1 and "running" not in after
+    shorten_unfinished(env, 4)
     worker_in_process(env, "--burst")
     assert_each_item_done_once(env, 6)
 

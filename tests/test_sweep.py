@@ -1013,7 +1013,7 @@ def test_a_cell_that_pays_shows_an_acceptance_above_its_break_even():
 def test_a_sweep_over_batch_sizes_decodes_each_cell_in_its_batches_and_reports_throughput(env, tmp_path):
     sweep_file = tmp_path / "batched.toml"
     sweep_file.write_text('target = "gemma3-270m"\ndrafts = ["smollm2-135m"]\nbatch = [1, 2]\n'
-                          'datasets = [{ name = "pl-short", limit = 2 }]\nmax_tokens = 6\nraw = true\n')
+                          'datasets = [{ name = "pl-short", limit = 2 }]\nmax_tokens = 3\nraw = true\n')
     code, output = cli(env, "enqueue", "sweep", "--config", str(sweep_file), "--json")
     assert code == 0 and json.loads(output)["items"] == 4 * 2, output
     sweep = json.loads(output)["batch"]

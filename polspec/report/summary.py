@@ -34,7 +34,6 @@ import math
 import statistics
 from collections import defaultdict
 from dataclasses import asdict, dataclass
-from datetime import datetime
 from typing import Any, NamedTuple, Protocol
 
 from sqlalchemy import Engine, func, select
