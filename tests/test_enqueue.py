@@ -585,7 +585,7 @@ def test_deleted_jobs_leave_their_queues_and_the_others_stay_in_order(env):
 
 
 def test_ctrl_c_while_jobs_are_enqueued_leaves_no_items_without_jobs(env, tmp_path):
-    source = write_jsonl(tmp_path / "p.jsonl", [{"id": n, "prompt": "Ile nóg ma pająk?"} for n in range(20_000)])
+    source = write_jsonl(tmp_path / "p.jsonl", [{"id": n, "prompt": "Ile nóg ma pająk?"} for n in range(10_000)])
     enqueuing = subprocess.Popen([sys.executable, "-c", "from polspec.cli import main; main()", "enqueue", "generate",
                                   "--input", str(source), "--target", "smollm2-135m"],
                                  env=os.environ | env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
