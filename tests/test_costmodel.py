@@ -14,7 +14,7 @@ from polspec.cli import main
 from polspec.decoding import DecodingParams, generate, run
 from polspec.decoding.acceptance import PLAIN_HALF_LIFE, PRIOR_WEIGHT, AcceptanceEstimate, acceptance_estimate
 from polspec.decoding.costmodel import (
-    BATCH_POSITIONS, BATCH_SIZES, PREDICTION_FORMATS, PROBE_FORMAT, BatchCost, Probe, accepted_share, best_k, best_shared_k, break_even_acceptance, can_pay,
+    BATCH_POSITIONS, BATCH_SIZES, PREDICTION_FORMATS, PROBE_FORMAT, UNPROBED_BATCH_SIZE, BatchCost, Probe, accepted_share, best_k, best_shared_k, break_even_acceptance, can_pay,
     expected_tokens, predicted_speedup, predicted_speedup_of_rounds, round_cost, shared_speedup, throughput_batch_size,
 )
 from polspec.decoding.draft_vocab import DEFAULT_SIZE
@@ -102,8 +102,14 @@ def test_throughput_batch_size_stops_where_a_larger_batch_gains_under_ten_percen
     # Sequences per second at B = 1, 2, 4, 8, 16: 100, 111, 133, 80, 320. Each step up to 4 gains
     # at least 10%; 8 loses, and the search stops there although 16 would gain again.
     assert throughput_batch_size(table(0.01, 0.018, 0.03, 0.1, 0.05)) == 4
-    assert throughput_batch_size(table(0.01, 0.011, 0.012, 0.013, 0.014)) == 16
-    assert throughput_batch_size(None) == throughput_batch_size(table()) == BATCH_SIZES[-1]
+    assert throughput_batch_size(table(0.01, 0.011, 0.012, 0.013, 0.014)) == 16  # a probe measured up to 16
+    growing = table(0.01, 0.011, 0.012, 0.013, 0.014, 0.02, 0.03)
+    assert BATCH_SIZES[-2:] == (32, 64) and throughput_batch_size(growing) == 64
+    # A step limit (the worker's share of a job's timeout a token) stops before the first size over it.
+    assert throughput_batch_size(growing, max_step_s=0.025) == 32
+    assert throughput_batch_size(growing, max_step_s=0.0135) == 8
+    assert throughput_batch_size(growing, max_step_s=0.001) == 1  # the smallest size, whatever it takes
+    assert throughput_batch_size(None) == throughput_batch_size(table()) == UNPROBED_BATCH_SIZE == 32
 
 
 def test_auto_explores_at_once_and_again_after_plain_stretches_until_the_pool_rules_it_out():

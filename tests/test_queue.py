@@ -26,6 +26,7 @@ from sqlalchemy import select
 
 from polspec.cli import main
 from polspec.decoding import DecodingParams, generate
+from polspec.decoding.costmodel import UNPROBED_BATCH_SIZE
 from polspec.errors import DatabaseFailure, PolspecError
 from polspec.jobs.control import _requeue_abandoned, recover
 from polspec.jobs.queue import JOB_FUNCTION, job_id, queue_name
@@ -503,8 +504,9 @@ def test_the_workers_own_steps_show_at_log_level_info_and_not_by_default(env):
     enqueue = ["enqueue", "generate", "--dataset", "pl-short", "--limit", "1", "--target", "smollm2-135m",
                "--max-tokens", "2"]
     cli(env, *enqueue)
-    said = worker_in_process(env, "--burst", "--log-level", "INFO", "--batch", "2")
-    assert re.search(r"^\d\d:\d\d:\d\d decoding smollm2-135m in batches of up to 2$", said, re.MULTILINE), said
+    said = worker_in_process(env, "--burst", "--log-level", "INFO")  # --batch auto: target-only work has no probe
+    assert re.search(rf"^\d\d:\d\d:\d\d decoding smollm2-135m in batches of up to {UNPROBED_BATCH_SIZE}$", said,
+                     re.MULTILINE), said
     cli(env, *enqueue)
     said = worker_in_process(env, "--burst", "--batch", "2")
     assert "serving" in said and "decoding" not in said, said

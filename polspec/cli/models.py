@@ -207,7 +207,7 @@ def probe(target: str, draft: str, repeats: int, as_json: bool) -> None:
     in target steps), rho(m) (a target forward over m tokens / over one, m = 1..9) and tau
     (translation per round / target step), then shows the acceptance each k
     needs to beat target-only decoding. The batch table repeats the forwards over B = 1, 2,
-    4, 8, 16 sequences at once: batched speculation must beat batched plain decoding, and
+    4, ..., 64 sequences at once: batched speculation must beat batched plain decoding, and
     its break-even acceptance rises with B as the spare compute per weight read runs out.
     `--k auto` uses the stored probe (and measures one on first use). Last, the share of the target's tokens on Polish text that the draft can propose
     under speculative sampling (`--verify tli`), which caps its acceptance when sampling.

@@ -30,7 +30,7 @@ class BatchSize(click.ParamType):
 
 @click.command()
 @click.option("--batch", default="auto", show_default=True, type=BatchSize(),
-              help="Items decoded together. auto: as many as pay on this machine (the pair's probe, else 16), "
+              help="Items decoded together. auto: as many as pay on this machine (the pair's probe, else 32), "
                    "capped by free memory; 1: one at a time, for per-item latency. A sweep's own 'batch' wins.")
 @click.option("--burst", is_flag=True, help="Stop when the queues are empty instead of waiting for more work.")
 @click.option("--queue", "queues", multiple=True, metavar="MODEL|QUEUE",

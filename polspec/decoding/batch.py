@@ -616,8 +616,9 @@ def max_batch_size(target: LoadedModel, draft: LoadedModel | None, longest: int,
     return min(fits, cap)
 
 
-def best_batch_size(target: LoadedModel, draft: LoadedModel | None, probe: Probe | None, longest: int) -> int:
+def best_batch_size(target: LoadedModel, draft: LoadedModel | None, probe: Probe | None, longest: int,
+                    max_step_s: float | None = None) -> int:
     """The batch size for bulk decoding: the probe's
-    :func:`~polspec.decoding.costmodel.throughput_batch_size`, capped by what memory holds for
-    ``longest`` tokens a sequence."""
-    return min(throughput_batch_size(probe), max_batch_size(target, draft, longest))
+    :func:`~polspec.decoding.costmodel.throughput_batch_size` (with plain steps of at most
+    ``max_step_s``), capped by what memory holds for ``longest`` tokens a sequence."""
+    return min(throughput_batch_size(probe, max_step_s), max_batch_size(target, draft, longest))

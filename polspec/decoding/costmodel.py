@@ -36,11 +36,16 @@ RHO_SIZES = 9  # rho(m) is measured for m = 1..9 and extrapolated linearly beyon
 PROBE_FORMAT = 3
 # Formats a prediction from recorded rounds can read: 2 lacks only the draft's feed, which it leaves out.
 PREDICTION_FORMATS = (2, PROBE_FORMAT)
-BATCH_SIZES = (1, 2, 4, 8, 16)  # sequences per forward in the probe's batch table
+BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)  # sequences per forward in the probe's batch table
 BATCH_POSITIONS = (1, 2, 3, 5, 9)  # positions per sequence measured at each batch size
 
 # A larger batch is worth it for bulk work while it raises plain throughput by this much.
 BATCH_GAIN = 1.10
+# The batch size for bulk work where no probe says (target-only work has none). On a 2-core CPU
+# a plain step over 32 sequences gives 1.4x the tokens/s of one over 16 for both a 270M and a
+# 1.5B target, and 64 gives 1.6-1.7x (BENCHMARKS.md), but 64's step on a 1.5B target (1.8 s)
+# would leave a long item little of its job timeout's 2 s a token: a blind choice stays at 32.
+UNPROBED_BATCH_SIZE = 32
 
 
 @dataclass(frozen=True)
@@ -239,15 +244,19 @@ def can_pay(probe: Probe, k_max: int, ratio: float = 1.0) -> bool:
     return smallest_paying_k(probe, 1.0, k_max, ratio) > 0
 
 
-def throughput_batch_size(probe: Probe | None) -> int:
+def throughput_batch_size(probe: Probe | None, max_step_s: float | None = None) -> int:
     """The largest measured batch size whose plain throughput beats the next smaller one's by
-    ``BATCH_GAIN``, from the probe's batch table; without one, the largest of ``BATCH_SIZES``."""
+    ``BATCH_GAIN``, from the probe's batch table, and whose plain step takes at most
+    ``max_step_s`` where given (the smallest size if none does); without a table,
+    ``UNPROBED_BATCH_SIZE``."""
     if probe is None or not probe.batch:
-        return BATCH_SIZES[-1]
+        return UNPROBED_BATCH_SIZE
     costs = sorted(probe.batch, key=lambda cost: cost.size)
     best = costs[0].size
     for smaller, larger in zip(costs, costs[1:]):
         if larger.size / larger.target_s[0] < BATCH_GAIN * smaller.size / smaller.target_s[0]:
+            break
+        if max_step_s is not None and larger.target_s[0] > max_step_s:
             break
         best = larger.size
     return best

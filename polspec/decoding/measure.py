@@ -138,8 +138,10 @@ def _batch_forward_times(loaded: LoadedModel, forward, size: int, positions, rep
     through the batched decoder's ragged cache, ``context`` tokens cached per sequence."""
     layers = batch_kv.check_batchable(loaded.model, loaded.entry.alias)
     positions = list(positions)
-    caches = [batch_kv.join(None, [batch_kv.prefill_one(loaded.model, layers, list(range(1, context + 1)))
-                                   for _ in range(size)]) for _ in positions]
+    # One prefill serves every row (join copies it into each): a forward's time does not depend
+    # on what the rows hold, and at B = 64 prefilling each row would take minutes on a 1.5B model.
+    single = batch_kv.prefill_one(loaded.model, layers, list(range(1, context + 1)))
+    caches = [batch_kv.join(None, [single] * size) for _ in positions]
     inputs = [mx.array([list(range(2, m + 2))] * size) for m in positions]
     undo = [lambda cache, m=m: batch_kv.trim_each(cache, [m] * size) for m in positions]
     return median_times([forward] * len(positions), inputs, caches, undo, repeats)

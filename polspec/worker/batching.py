@@ -65,7 +65,7 @@ from polspec.decoding.batch import BatchDecoder, SequenceEvent, best_batch_size
 from polspec.decoding.params import DecodingParams
 from polspec.decoding.run import Transcript
 from polspec.errors import DatabaseFailure, PolspecError
-from polspec.jobs.queue import JOB_FUNCTION
+from polspec.jobs.queue import JOB_FUNCTION, JOB_TIMEOUT_PER_TOKEN_S
 from polspec.jobs.spec import GenerateSpec
 from polspec.models.loader import LoadedModel
 from polspec.store.energy_windows import close_energy_window, open_energy_window
@@ -86,6 +86,10 @@ SCAN_DEPTH = 256  # queued jobs read per refill when looking for items that fit 
 PROMPT_ALLOWANCE = 512  # prompt tokens allowed for per sequence when sizing a batch by memory
 REFILL_WAIT_MAX_S = 300.0  # the longest a batch goes without refills after the database failed one
 CAP_HOLD_S = 3600.0  # how long a batch cap first holds after a failed batch (see the module docstring)
+# The largest plain step a chosen batch size may take, as a share of the job timeout's allowance
+# a token: the probe times a step over a short context, steps grow as the sequences do, and an
+# item must finish within its job's timeout however long it runs.
+STEP_SHARE_OF_TIMEOUT = 0.75
 
 ExcInfo = tuple[type[BaseException], BaseException, TracebackType]
 
@@ -298,7 +302,8 @@ class BatchRun:
         probe_s = time.perf_counter() - clock
         longest = params.max_tokens + PROMPT_ALLOWANCE
         if self.decoder is None:
-            self.full_size = self.wanted or best_batch_size(self.target, self.draft, held, longest)
+            self.full_size = self.wanted or best_batch_size(self.target, self.draft, held, longest,
+                                                            STEP_SHARE_OF_TIMEOUT * JOB_TIMEOUT_PER_TOKEN_S)
             self.decoder = BatchDecoder(self.target, self.draft, self._allowed(), held, longest)
             log.info("decoding %s%s in batches of up to %d", spec.target, f" + {spec.draft}" if spec.draft else "",
                      self.decoder.max_batch)
