@@ -18,6 +18,9 @@ from polspec.decoding.costmodel import (
     expected_tokens, predicted_speedup, predicted_speedup_of_rounds, round_cost, shared_speedup, throughput_batch_size,
 )
 from polspec.decoding.draft_vocab import DEFAULT_SIZE
+from polspec.decoding import batch_kv, measure
+from polspec.decoding.batch import best_batch_size
+from polspec.decoding.draft_vocab import draft_head
 from polspec.decoding.measure import measure_probe
 from polspec.decoding.policy import DraftLength, shared_auto_k
 from polspec.decoding.probe_files import load_probe, probe_path, save_probe
@@ -294,6 +297,34 @@ def test_probe_measures_real_models_and_is_stored(gemma3, smollm2, home_with_mod
     assert 0 <= measured.draft_overhead < math.inf and 0 < measured.draft_feed_s < math.inf
     save_probe(measured)
     assert load_probe("gemma3-270m", "smollm2-135m") == measured
+
+
+@pytest.mark.slow
+def test_the_probe_leaves_out_batch_sizes_whose_caches_memory_cannot_hold(gemma3, smollm2, monkeypatch):
+    head = draft_head(smollm2, "auto")
+    monkeypatch.setattr(batch_kv, "free_memory_bytes", lambda: 10 ** 15)
+    assert measure._sizes_that_fit(gemma3, smollm2, head, BATCH_SIZES, 64) == list(BATCH_SIZES)
+    # A row of a 270M target's five caches and the logits of nine positions takes some 90 MB.
+    monkeypatch.setattr(batch_kv, "free_memory_bytes", lambda: 2 * 2 ** 30)
+    fitting = measure._sizes_that_fit(gemma3, smollm2, head, BATCH_SIZES, 64)
+    assert fitting == list(BATCH_SIZES[:len(fitting)]) and 1 < len(fitting) < len(BATCH_SIZES)
+    monkeypatch.setattr(batch_kv, "free_memory_bytes", lambda: 0)
+    assert measure._sizes_that_fit(gemma3, smollm2, head, BATCH_SIZES, 64) == [1]  # a table needs a row
+
+
+@pytest.mark.slow
+def test_without_a_probe_the_bulk_batch_halves_until_its_timed_step_fits(smollm2, monkeypatch):
+    assert best_batch_size(smollm2, None, None, 64) == UNPROBED_BATCH_SIZE  # no limit: nothing is timed
+    assert best_batch_size(smollm2, None, None, 64, max_step_s=60.0) == UNPROBED_BATCH_SIZE
+    assert best_batch_size(smollm2, None, None, 64, max_step_s=1e-9) == 1  # no step is that fast
+    # A probe's table says what a step takes: read, not timed.
+    monkeypatch.setattr("polspec.decoding.batch.plain_step_s", lambda *_: pytest.fail("timed a step"))
+    # Steps of 10.5, 11, 12, 14, 18, 26 and 42 ms at B = 1 to 64: each size up to 64 gains over 10%.
+    costs = tuple(BatchCost(size, (0.01 + 0.0005 * size,) * len(BATCH_POSITIONS), 0.001) for size in BATCH_SIZES)
+    probe = Probe("smollm2-135m", "d", c=0.1, rho=(1.0,) * 9, tau=0.0, batch=costs)
+    assert best_batch_size(smollm2, None, probe, 64) == 64
+    assert best_batch_size(smollm2, None, probe, 64, max_step_s=1e-9) == 1
+    assert best_batch_size(smollm2, None, probe, 64, max_step_s=0.02) == 16
 
 
 @pytest.mark.slow

@@ -500,7 +500,7 @@ def test_a_job_queued_under_the_old_function_path_still_runs(env):
 
 
 @pytest.mark.slow
-def test_the_workers_own_steps_show_at_log_level_info_and_not_by_default(env):
+def test_the_workers_own_steps_show_at_log_level_info_and_not_by_default(env, monkeypatch):
     enqueue = ["enqueue", "generate", "--dataset", "pl-short", "--limit", "1", "--target", "smollm2-135m",
                "--max-tokens", "2"]
     cli(env, *enqueue)
@@ -510,6 +510,11 @@ def test_the_workers_own_steps_show_at_log_level_info_and_not_by_default(env):
     cli(env, *enqueue)
     said = worker_in_process(env, "--burst", "--batch", "2")
     assert "serving" in said and "decoding" not in said, said
+    # The batch's step must leave an item its job's time: no step fits in a trillionth of it.
+    monkeypatch.setattr(batching, "STEP_SHARE_OF_TIMEOUT", 1e-12)
+    cli(env, *enqueue)
+    said = worker_in_process(env, "--burst", "--log-level", "INFO")
+    assert re.search(r"^\d\d:\d\d:\d\d decoding smollm2-135m in batches of up to 1$", said, re.MULTILINE), said
 
 
 @pytest.mark.slow

@@ -27,7 +27,6 @@ fixed ``k``, as ``k = auto`` rows share one draft length a round.
 from __future__ import annotations
 
 import math
-import os
 import statistics
 import time
 from collections.abc import Callable, Hashable, Iterator
@@ -45,6 +44,7 @@ from polspec.decoding.commit import Commit
 from polspec.decoding.costmodel import Probe, can_pay, throughput_batch_size
 from polspec.decoding.draft_head import DraftHead, vocabulary_size
 from polspec.decoding.draft_vocab import draft_head, polish_texts
+from polspec.decoding.measure import plain_step_s
 from polspec.decoding.metrics import DecodeMetrics
 from polspec.decoding.params import DecodingParams
 from polspec.decoding.policy import DraftLength, candidates_that_count, shared_auto_k
@@ -55,10 +55,6 @@ from polspec.decoding.speculative import (DraftText, candidates_to_verify, settl
 from polspec.decoding.speculative_sampling import SharedDraft, shared_draft, speculative_choices
 from polspec.errors import PolspecError
 from polspec.models.loader import LoadedModel
-
-# Memory a batch may plan to use, as a share of what is free when the decoder starts: the
-# rest is left for activations, the allocator's cache and other processes.
-MEMORY_SHARE = 0.7
 
 
 @dataclass
@@ -551,31 +547,12 @@ def stream_batch(
         yield from decoder.step()
 
 
-def free_memory_bytes() -> int:
-    """Memory this process may still use: on a CUDA GPU the device's free memory, where the
-    caches live (the host's MemAvailable says nothing of it, and the weights fill part of the
-    card already); else the kernel's MemAvailable on Linux, else physical memory less what MLX
-    holds (unified memory on a Mac)."""
-    if mx.default_device().type == mx.gpu:
-        free = mx.device_info().get("free_memory")  # MLX gives it for CUDA devices only
-        if isinstance(free, int):
-            return free + mx.get_cache_memory()  # the driver counts MLX's cached buffers as used
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") - mx.get_active_memory()
-
-
 def kv_bytes_per_sequence(target: LoadedModel, draft: LoadedModel | None, longest: int) -> int:
     """The bytes of KV cache one sequence of ``longest`` target tokens fills in both models: the
     draft's holds its own tokens of the same text (:func:`draft_tokens_per_target_token`, at
     least one a target token), and a cache grows past its prompt a step of entries at a time.
     Left padding the rows share (under 64 entries, see :mod:`~polspec.decoding.batch_kv`) and a
-    round's draft proposals are left to the slack of :data:`MEMORY_SHARE`."""
+    round's draft proposals are left to the slack of :data:`~polspec.decoding.batch_kv.MEMORY_SHARE`."""
     def entries(tokens: float) -> int:
         return math.ceil(tokens) + BatchKVCache.step
 
@@ -607,7 +584,7 @@ def max_batch_size(target: LoadedModel, draft: LoadedModel | None, longest: int,
     """
     logits = 4 * (vocabulary_size(target.model) + (vocabulary_size(draft.model) if draft else 0)) * 2 * (DecodingParams().k_max + 1)
     per_sequence = kv_bytes_per_sequence(target, draft, longest) + logits
-    budget = free_memory_bytes() * MEMORY_SHARE
+    budget = batch_kv.free_memory_bytes() * batch_kv.MEMORY_SHARE
     fits = int(budget // per_sequence)
     if fits < 1:
         raise PolspecError(
@@ -620,5 +597,11 @@ def best_batch_size(target: LoadedModel, draft: LoadedModel | None, probe: Probe
                     max_step_s: float | None = None) -> int:
     """The batch size for bulk decoding: the probe's
     :func:`~polspec.decoding.costmodel.throughput_batch_size` (with plain steps of at most
-    ``max_step_s``), capped by what memory holds for ``longest`` tokens a sequence."""
-    return min(throughput_batch_size(probe, max_step_s), max_batch_size(target, draft, longest))
+    ``max_step_s``), capped by what memory holds for ``longest`` tokens a sequence. Without a
+    probe's batch table to read the step from, a plain step is timed at that size, which halves
+    until its step takes at most ``max_step_s``."""
+    size = min(throughput_batch_size(probe, max_step_s), max_batch_size(target, draft, longest))
+    if max_step_s is not None and not (probe and probe.batch):
+        while size > 1 and plain_step_s(target, size) > max_step_s:
+            size //= 2
+    return size

@@ -15,6 +15,7 @@ the keys a rotating cache would hold, and a plain cache can be trimmed at any le
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 from polspec import backend  # noqa: F401  (before mlx: the Linux BLAS fix)
@@ -25,6 +26,10 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache, dynamic_
 
 from polspec.decoding.kv import prefill
 from polspec.errors import PolspecError
+
+# Memory a batch may plan to use, as a share of what is free when the decoder starts: the
+# rest is left for activations, the allocator's cache and other processes.
+MEMORY_SHARE = 0.7
 
 
 def check_batchable(model: nn.Module, alias: str) -> int:
@@ -133,3 +138,22 @@ def kv_bytes_per_token(model: nn.Module, layers: int) -> int:
         cache = prefill_one(model, layers, [1, 1])
         _KV_BYTES[id(model)] = sum(c.keys[..., :1, :].nbytes + c.values[..., :1, :].nbytes for c in cache)
     return _KV_BYTES[id(model)]
+
+
+def free_memory_bytes() -> int:
+    """Memory this process may still use: on a CUDA GPU the device's free memory, where the
+    caches live (the host's MemAvailable says nothing of it, and the weights fill part of the
+    card already); else the kernel's MemAvailable on Linux, else physical memory less what MLX
+    holds (unified memory on a Mac)."""
+    if mx.default_device().type == mx.gpu:
+        free = mx.device_info().get("free_memory")  # MLX gives it for CUDA devices only
+        if isinstance(free, int):
+            return free + mx.get_cache_memory()  # the driver counts MLX's cached buffers as used
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") - mx.get_active_memory()

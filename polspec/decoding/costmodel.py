@@ -44,7 +44,8 @@ BATCH_GAIN = 1.10
 # The batch size for bulk work where no probe says (target-only work has none). On a 2-core CPU
 # a plain step over 32 sequences gives 1.4x the tokens/s of one over 16 for both a 270M and a
 # 1.5B target, and 64 gives 1.6-1.7x (BENCHMARKS.md), but 64's step on a 1.5B target (1.8 s)
-# would leave a long item little of its job timeout's 2 s a token: a blind choice stays at 32.
+# would leave a long item little of its job timeout's 2 s a token: a blind choice stays at 32
+# (and the worker times a step at it first, see polspec.worker.batching.STEP_SHARE_OF_TIMEOUT).
 UNPROBED_BATCH_SIZE = 32
 
 

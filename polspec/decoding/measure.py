@@ -10,11 +10,12 @@ from collections.abc import Callable
 from polspec import backend  # before mlx: the Linux BLAS fix
 
 import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache
 
 from polspec.cpu_share import measuring, share_cores
 from polspec.decoding import batch_kv
 from polspec.decoding.costmodel import BATCH_POSITIONS, BATCH_SIZES, RHO_SIZES, BatchCost, Probe
-from polspec.decoding.draft_head import DraftHead
+from polspec.decoding.draft_head import DraftHead, vocabulary_size
 from polspec.decoding.draft_vocab import draft_head
 from polspec.decoding.kv import new_cache, prefill, trim
 from polspec.decoding.params import DecodingParams
@@ -46,7 +47,8 @@ def measure_probe(target: LoadedModel, draft: LoadedModel, repeats: int = 9, con
     ``aligned`` translation of a k=4 draft chunk of Polish text, over the target step. The
     batch table times target forwards over B sequences x m positions (m in
     ``BATCH_POSITIONS``) and a draft step over B sequences for every B in ``batch_sizes``
-    (a third of ``repeats``, at least 3: the large shapes dominate the probe's time).
+    that memory holds (a third of ``repeats``, at least 3: the large shapes dominate the
+    probe's time).
     ``stage`` is told what is measured next, for a progress display. PolspecError when
     ``repeats`` is below 1.
     """
@@ -80,7 +82,7 @@ def _measured_probe(target: LoadedModel, draft: LoadedModel, repeats: int, conte
         times.append(time.perf_counter() - clock)
     batch_repeats = max(3, repeats // 3)
     batch = []
-    for size in batch_sizes:
+    for size in _sizes_that_fit(target, draft, head, batch_sizes, context):
         stage(f"both models at batch size {size}")
         batch.append(BatchCost(size, tuple(_batch_forward_times(target, target.model, size, BATCH_POSITIONS,
                                                                 batch_repeats, context)),
@@ -131,6 +133,30 @@ def _forward_times(loaded: LoadedModel, forward, sizes, repeats: int, context: i
     inputs = [mx.array([list(range(2, m + 2))]) for m in sizes]
     return median_times([forward] * len(sizes), inputs, caches, [lambda cache, m=m: trim(cache, m) for m in sizes],
                         repeats)
+
+
+def _sizes_that_fit(target: LoadedModel, draft: LoadedModel, head: DraftHead, sizes: tuple[int, ...],
+                    context: int) -> list[int]:
+    """The batch sizes whose probe caches fit in memory (the smallest always: a table needs a row).
+
+    At each size the target holds a cache per count of positions and the draft one, each
+    grown by a step of entries past ``context``, and the widest forward's logits: some 6 GB at
+    B = 64 for a 1.5B target in float32, several times that for an 11B one."""
+    entries = context + max(BATCH_POSITIONS) + BatchKVCache.step
+    per_row = entries * (len(BATCH_POSITIONS) * _kv_bytes(target) + _kv_bytes(draft)) \
+        + 4 * max(BATCH_POSITIONS) * (vocabulary_size(target.model) + (head.size or vocabulary_size(draft.model)))
+    budget = batch_kv.free_memory_bytes() * batch_kv.MEMORY_SHARE
+    return [size for index, size in enumerate(sorted(sizes)) if not index or size * per_row <= budget]
+
+
+def _kv_bytes(loaded: LoadedModel) -> int:
+    return batch_kv.kv_bytes_per_token(loaded.model, batch_kv.check_batchable(loaded.model, loaded.entry.alias))
+
+
+def plain_step_s(loaded: LoadedModel, size: int, context: int = 64) -> float:
+    """The time of one plain batched step of ``loaded`` over ``size`` sequences of ``context``
+    cached tokens (one warm-up forward, then one timed)."""
+    return _batch_forward_times(loaded, loaded.model, size, [1], 1, context)[0]
 
 
 def _batch_forward_times(loaded: LoadedModel, forward, size: int, positions, repeats: int, context: int) -> list[float]:

@@ -302,8 +302,9 @@ class BatchRun:
         probe_s = time.perf_counter() - clock
         longest = params.max_tokens + PROMPT_ALLOWANCE
         if self.decoder is None:
-            self.full_size = self.wanted or best_batch_size(self.target, self.draft, held, longest,
-                                                            STEP_SHARE_OF_TIMEOUT * JOB_TIMEOUT_PER_TOKEN_S)
+            # Without a probe's table the size is found by timing steps: no decoding either.
+            self.full_size = self.wanted or self._outside_the_window(lambda: best_batch_size(
+                self.target, self.draft, held, longest, STEP_SHARE_OF_TIMEOUT * JOB_TIMEOUT_PER_TOKEN_S))
             self.decoder = BatchDecoder(self.target, self.draft, self._allowed(), held, longest)
             log.info("decoding %s%s in batches of up to %d", spec.target, f" + {spec.draft}" if spec.draft else "",
                      self.decoder.max_batch)
