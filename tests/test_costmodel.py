@@ -3,6 +3,7 @@ models, and the auto draft length."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -24,7 +25,7 @@ from polspec.decoding.draft_vocab import draft_head
 from polspec.decoding.measure import measure_probe
 from polspec.decoding.policy import DraftLength, shared_auto_k
 from polspec.decoding.probe_files import load_probe, probe_path, save_probe
-from polspec.decoding.run import stored_probe
+from polspec.decoding.run import probe_outdated, stored_probe
 
 
 def flat(c: float, tau: float = 0.0, rho: tuple[float, ...] = (1.0,) * 9) -> Probe:
@@ -293,6 +294,7 @@ def test_probe_measures_real_models_and_is_stored(gemma3, smollm2, home_with_mod
     two = measured.batch[1]
     assert all(0 < t < math.inf for cost in measured.batch for t in (*cost.target_s, cost.draft_s))
     assert measured.at_batch(2).target_step_s == two.target_s[0]
+    assert measured.largest_batch_tried == 2  # what it was asked for: stored_probe asks for BATCH_SIZES
     assert 0 < measured.c < math.inf and measured.tau >= 0 and measured.target_step_s > 0
     assert 0 <= measured.draft_overhead < math.inf and 0 < measured.draft_feed_s < math.inf
     save_probe(measured)
@@ -310,6 +312,21 @@ def test_the_probe_leaves_out_batch_sizes_whose_caches_memory_cannot_hold(gemma3
     assert fitting == list(BATCH_SIZES[:len(fitting)]) and 1 < len(fitting) < len(BATCH_SIZES)
     monkeypatch.setattr(batch_kv, "free_memory_bytes", lambda: 0)
     assert measure._sizes_that_fit(gemma3, smollm2, head, BATCH_SIZES, 64) == [1]  # a table needs a row
+
+
+@pytest.mark.slow
+def test_a_batched_use_measures_again_a_probe_whose_table_stopped_short(smollm2):
+    table = tuple(BatchCost(size, (0.01,) * len(BATCH_POSITIONS), 0.001) for size in (1, 2, 4, 8, 16))
+    earlier = Probe("t", "smollm2-135m", c=0.1, rho=(1.0,) * 9, tau=0.0, batch=table,
+                    draft_vocab=draft_head(smollm2, "auto").size)
+    assert not probe_outdated(earlier, smollm2) and probe_outdated(earlier, smollm2, batched=True)
+    # A table that memory cut short after every size was tried is read as it is.
+    cut = dataclasses.replace(earlier, largest_batch_tried=BATCH_SIZES[-1])
+    assert not probe_outdated(cut, smollm2, batched=True)
+    # A file an earlier polspec stored has no such key: it reads back as the table that stopped at 16.
+    assert Probe.from_dict({key: value for key, value in cut.as_dict().items() if key != "largest_batch_tried"}) == earlier
+    with pytest.raises(ValueError, match="largest_batch_tried"):
+        Probe.from_dict(cut.as_dict() | {"largest_batch_tried": "64"})
 
 
 @pytest.mark.slow

@@ -74,6 +74,9 @@ class Probe:
     batch: tuple[BatchCost, ...] = ()  # the batch table; empty in probes measured before it existed
     draft_vocab: int | None = None  # the draft's pruned vocabulary when measured; None: its full one
     draft_feed_s: float = 0.0  # seconds a token of text the draft reads in one forward (its prompt)
+    # The largest batch size the batch table was asked for (sizes memory could not hold are left
+    # out of it); 0 in probes measured while the table stopped at 16.
+    largest_batch_tried: int = 0
 
     def at_batch(self, size: int) -> Probe:
         """The costs of a round over ``size`` sequences, in steps of a plain batched step of that size.
@@ -134,6 +137,8 @@ class Probe:
             raise ValueError("a probe needs c, tau, draft_overhead, draft_feed_s and rho values, all numbers >= 0")
         if probe.draft_feed_s and not (_is_cost(probe.target_step_s) and probe.target_step_s > 0):
             raise ValueError("a probe with the draft's feed needs the target step it is counted in")
+        if not isinstance(probe.largest_batch_tried, int) or probe.largest_batch_tried < 0:
+            raise ValueError("a probe's largest_batch_tried is a whole number >= 0")
         return probe
 
 

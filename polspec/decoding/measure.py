@@ -93,6 +93,7 @@ def _measured_probe(target: LoadedModel, draft: LoadedModel, repeats: int, conte
                  rho=tuple(t / step for t in target_times), tau=statistics.median(times) / step,
                  draft_overhead=max(0.0, _draft_round_time(draft, head, draft_ids, repeats) - draft_step) / step,
                  target_step_s=step, draft_step_s=draft_step, draft_vocab=head.size, draft_feed_s=draft_feed,
+                 largest_batch_tried=max(batch_sizes, default=0),
                  machine={"key": machine_key(), "platform": chosen.platform, "device": chosen.device,
                           "dtype": chosen.dtype, "mlx": chosen.mlx_version})
 
