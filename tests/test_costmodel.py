@@ -323,6 +323,10 @@ def test_a_batched_use_measures_again_a_probe_whose_table_stopped_short(smollm2)
     # A table that memory cut short after every size was tried is read as it is.
     cut = dataclasses.replace(earlier, largest_batch_tried=BATCH_SIZES[-1])
     assert not probe_outdated(cut, smollm2, batched=True)
+    # A table to 64 from before the key existed is not measured again either.
+    wide = dataclasses.replace(earlier, batch=tuple(BatchCost(size, (0.01,) * len(BATCH_POSITIONS), 0.001)
+                                                    for size in BATCH_SIZES))
+    assert wide.largest_batch_tried == 0 and not probe_outdated(wide, smollm2, batched=True)
     # A file an earlier polspec stored has no such key: it reads back as the table that stopped at 16.
     assert Probe.from_dict({key: value for key, value in cut.as_dict().items() if key != "largest_batch_tried"}) == earlier
     with pytest.raises(ValueError, match="largest_batch_tried"):

@@ -207,7 +207,7 @@ def probe(target: str, draft: str, repeats: int, as_json: bool) -> None:
     in target steps), rho(m) (a target forward over m tokens / over one, m = 1..9) and tau
     (translation per round / target step), then shows the acceptance each k
     needs to beat target-only decoding. The batch table repeats the forwards over B = 1, 2,
-    4, ..., 64 sequences at once: batched speculation must beat batched plain decoding, and
+    4, ..., 64 sequences at once (as many as free memory holds): batched speculation must beat batched plain decoding, and
     its break-even acceptance rises with B as the spare compute per weight read runs out.
     `--k auto` uses the stored probe (and measures one on first use). Last, the share of the target's tokens on Polish text that the draft can propose
     under speculative sampling (`--verify tli`), which caps its acceptance when sampling.
@@ -265,6 +265,9 @@ def probe(target: str, draft: str, repeats: int, as_json: bool) -> None:
                                 *("never" if even is None else f"{even:.0%}" for even in evens),
                                 f"{predicted_speedup(at, 0.6, best):.2f}x (k={best})")
         output_console().print(batch_table)
+        largest = max(cost.size for cost in result.batch)
+        if largest < result.largest_batch_tried:
+            click.echo(f"batch sizes above {largest} left out: their caches would not fit in the memory free now")
     for line in coverage_lines(coverage):
         click.echo(line)
     click.echo(f"stored in {probe_path(target, draft)}")

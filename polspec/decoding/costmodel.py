@@ -33,9 +33,13 @@ RHO_SIZES = 9  # rho(m) is measured for m = 1..9 and extrapolated linearly beyon
 # 2: the draft step measured as it decodes (last-position logits, its default draft vocabulary)
 # 3: the draft's feed of text measured (before: priced at a draft step a token, 16x what a feed
 #    costs on a 2-core CPU, or at the batch table's widest draft step per sequence, 1.7x)
-PROBE_FORMAT = 3
+# 4: the batch table runs to B = 64 and records the largest size it tried (an earlier polspec
+#    skips such a probe as unknown instead of failing on the new key)
+PROBE_FORMAT = 4
+# Formats decoding reads: 3 lacks only largest_batch_tried (read as 0: its table stops at 16).
+STORED_FORMATS = (3, PROBE_FORMAT)
 # Formats a prediction from recorded rounds can read: 2 lacks only the draft's feed, which it leaves out.
-PREDICTION_FORMATS = (2, PROBE_FORMAT)
+PREDICTION_FORMATS = (2, *STORED_FORMATS)
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)  # sequences per forward in the probe's batch table
 BATCH_POSITIONS = (1, 2, 3, 5, 9)  # positions per sequence measured at each batch size
 
@@ -75,7 +79,7 @@ class Probe:
     draft_vocab: int | None = None  # the draft's pruned vocabulary when measured; None: its full one
     draft_feed_s: float = 0.0  # seconds a token of text the draft reads in one forward (its prompt)
     # The largest batch size the batch table was asked for (sizes memory could not hold are left
-    # out of it); 0 in probes measured while the table stopped at 16.
+    # out of it); 0 in probes of format 3.
     largest_batch_tried: int = 0
 
     def at_batch(self, size: int) -> Probe:

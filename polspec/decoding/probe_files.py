@@ -12,7 +12,7 @@ import platform
 from pathlib import Path
 
 from polspec.backend import setup
-from polspec.decoding.costmodel import PROBE_FORMAT, Probe
+from polspec.decoding.costmodel import STORED_FORMATS, Probe
 from polspec.files import write_file_atomically
 from polspec.settings import polspec_home
 
@@ -30,7 +30,7 @@ def probe_path(target: str, draft: str) -> Path:
     return polspec_home() / "probes" / machine_key() / f"{target}__{draft}.json"
 
 
-def load_probe(target: str, draft: str, formats: tuple[int, ...] = (PROBE_FORMAT,)) -> Probe | None:
+def load_probe(target: str, draft: str, formats: tuple[int, ...] = STORED_FORMATS) -> Probe | None:
     """The stored probe of this pair on this machine, if one was measured in one of ``formats``
     (an older one is measured again where it is used to decode).
 

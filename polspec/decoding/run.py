@@ -96,8 +96,10 @@ def probe_outdated(probe: Probe | None, draft: LoadedModel, batched: bool = Fals
     """Whether :func:`stored_probe` measures the pair again rather than use ``probe``: none
     stored, a batched use and no batch table or one that stopped short of ``BATCH_SIZES`` (an
     earlier polspec's, to 16), or another draft vocabulary."""
-    return probe is None or (batched and (not probe.batch or probe.largest_batch_tried < BATCH_SIZES[-1])) \
-        or probe.draft_vocab != draft_head(draft, draft_vocab).size
+    if batched and (not probe or not probe.batch
+                    or max(probe.largest_batch_tried, *(cost.size for cost in probe.batch)) < BATCH_SIZES[-1]):
+        return True
+    return probe is None or probe.draft_vocab != draft_head(draft, draft_vocab).size
 
 
 def auto_draft_length(target: LoadedModel, draft: LoadedModel, params: DecodingParams) -> DraftLength | None:
