@@ -480,10 +480,19 @@ def test_the_library_refuses_a_draft_without_a_chat_template_in_its_own_terms(ge
 
 
 @pytest.mark.slow
-def test_a_batch_decoder_refuses_a_probe_without_its_batch_table(gemma3, smollm2):
-    """Taken as it was, auto priced a round of several rows at one row's costs."""
+def test_a_batch_refuses_auto_with_a_probe_without_its_batch_table_and_takes_a_fixed_k(gemma3, smollm2):
+    """Taken as it was, auto priced a round of several rows at one row's costs. A fixed k
+    needs no table: the probe a single `generate --k auto` stored only rides along with its
+    results (refusing it failed every fixed-k item of a batched worker)."""
     probe = Probe(gemma3.entry.alias, smollm2.entry.alias, c=0.5, rho=(1.0,) * 9, tau=0.0)
+    decoder = BatchDecoder(gemma3, smollm2, max_batch=2, probe=probe)
     with pytest.raises(PolspecError, match=r"^the probe of gemma3-270m with smollm2-135m has no batch table; take it "
                                            r"with stored_probe\(target, draft, batched=True\)$"):
-        BatchDecoder(gemma3, smollm2, max_batch=2, probe=probe)
-    assert BatchDecoder(gemma3, smollm2, max_batch=1, probe=probe).max_batch == 1  # one row: its own costs
+        decoder.add("auto", "Kraków jest", DecodingParams(max_tokens=2, k="auto"), chat=False)
+    decoder.add("fixed", "Kraków jest", DecodingParams(max_tokens=2, k=2), chat=False)
+    finished = []
+    while decoder:
+        finished += [event.key for event in decoder.step() if event.finished]
+    assert finished == ["fixed"]
+    one = BatchDecoder(gemma3, smollm2, max_batch=1, probe=probe)
+    one.add("auto", "Kraków jest", DecodingParams(max_tokens=2, k="auto"), chat=False)  # one row: its own costs

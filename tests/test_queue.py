@@ -26,7 +26,8 @@ from sqlalchemy import select
 
 from polspec.cli import main
 from polspec.decoding import DecodingParams, generate
-from polspec.decoding.costmodel import UNPROBED_BATCH_SIZE
+from polspec.decoding.costmodel import UNPROBED_BATCH_SIZE, Probe
+from polspec.decoding.probe_files import save_probe
 from polspec.errors import DatabaseFailure, PolspecError
 from polspec.jobs.control import _requeue_abandoned, recover
 from polspec.jobs.queue import JOB_FUNCTION, job_id, queue_name
@@ -823,11 +824,14 @@ def test_a_failing_job_end_callback_fails_no_item_of_the_batch(env, tmp_path):
 
 
 @pytest.mark.slow
-def test_batched_worker_gives_the_texts_of_one_at_a_time(tmp_path, redis_url, monkeypatch):
+def test_batched_worker_gives_the_texts_of_one_at_a_time(tmp_path, redis_url, home_with_models, monkeypatch):
     """Target-only and speculative items in one queue, finishing at different rounds (their own
     max_tokens), decoded by --batch 4 and by --batch 1 into two databases: the same texts.
     With a meter, --batch 1 measures each item and --batch 4 each batch as a whole."""
     monkeypatch.setattr(worker_run, "open_meter", lambda device: (ClockMeter(), "a clock at 10 W"))
+    # The probe a single `generate --k auto` stores has no batch table: it once failed every
+    # fixed-k item of a batched worker, which needs none.
+    save_probe(Probe("gemma3-270m", "smollm2-135m", c=0.5, rho=(1.0,) * 9, tau=0.0))
     rows = [{"id": f"q{i}", "prompt": prompt, "max_tokens": 2 + i % 3} for i, prompt in enumerate(PROMPTS[:6])]
     source = tmp_path / "prompts.jsonl"
     source.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")

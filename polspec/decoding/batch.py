@@ -131,10 +131,6 @@ class BatchDecoder:
         self.max_batch = max_batch if max_batch is not None else max_batch_size(target, draft, longest)
         if self.max_batch < 1:
             raise PolspecError(f"max_batch must be at least 1, got {self.max_batch}")
-        if probe is not None and not probe.batch and self.max_batch > 1:
-            # auto would price a round of many rows at one row's costs: drafting where it cannot pay
-            raise PolspecError(f"the probe of {probe.target} with {probe.draft} has no batch table; take it with "
-                               "stored_probe(target, draft, batched=True)")
         self.waiting: list[_Sequence] = []
         self.rows: list[_Sequence] = []
         self.target_cache: list | None = None
@@ -272,6 +268,10 @@ class BatchDecoder:
             return DraftLength(params)
         if self.probe is None:
             raise PolspecError("k=auto in a batch needs the pair's probe (polspec models probe TARGET DRAFT)")
+        if not self.probe.batch and self.max_batch > 1:
+            # auto would price a round of many rows at one row's costs: drafting where it cannot pay
+            raise PolspecError(f"the probe of {self.probe.target} with {self.probe.draft} has no batch table; take it "
+                               "with stored_probe(target, draft, batched=True)")
         if not any(can_pay(self.probe.at_batch(b), params.k_max) for b in range(1, self.max_batch + 1)):
             metrics.k_policy_note = "auto: plain decoding, no k can pay on this machine at any batch size"
             return None
