@@ -18,10 +18,9 @@ from polspec.decoding.costmodel import (
     BATCH_POSITIONS, BATCH_SIZES, PREDICTION_FORMATS, PROBE_FORMAT, UNPROBED_BATCH_SIZE, BatchCost, Probe, accepted_share, best_k, best_shared_k, break_even_acceptance, can_pay,
     expected_tokens, predicted_speedup, predicted_speedup_of_rounds, round_cost, shared_speedup, throughput_batch_size,
 )
-from polspec.decoding.draft_vocab import DEFAULT_SIZE
 from polspec.decoding import batch_kv, measure
 from polspec.decoding.batch import best_batch_size
-from polspec.decoding.draft_vocab import draft_head
+from polspec.decoding.draft_vocab import DEFAULT_SIZE, draft_head
 from polspec.decoding.measure import measure_probe
 from polspec.decoding.policy import DraftLength, shared_auto_k
 from polspec.decoding.probe_files import load_probe, probe_path, save_probe

@@ -556,10 +556,9 @@ def kv_bytes_per_sequence(target: LoadedModel, draft: LoadedModel | None, longes
     def entries(tokens: float) -> int:
         return math.ceil(tokens) + BatchKVCache.step
 
-    size = batch_kv.kv_bytes_per_token(target.model, batch_kv.check_batchable(target.model, target.entry.alias)) \
-        * entries(longest)
+    size = batch_kv.kv_bytes_per_token(target.model, target.entry.alias) * entries(longest)
     if draft is not None:
-        per_token = batch_kv.kv_bytes_per_token(draft.model, batch_kv.check_batchable(draft.model, draft.entry.alias))
+        per_token = batch_kv.kv_bytes_per_token(draft.model, draft.entry.alias)
         size += per_token * entries(longest * max(1.0, draft_tokens_per_target_token(target, draft)))
     return size
 

@@ -132,10 +132,11 @@ def row_lengths(batch: list[BatchKVCache]) -> list[int]:
 _KV_BYTES: dict[int, int] = {}
 
 
-def kv_bytes_per_token(model: nn.Module, layers: int) -> int:
-    """Bytes one token of one sequence adds to the model's KV cache, measured once with one forward."""
+def kv_bytes_per_token(model: nn.Module, alias: str) -> int:
+    """Bytes one token of one sequence adds to the model's KV cache, measured once with one forward
+    (a model whose cache cannot be trimmed is refused, see :func:`check_batchable`)."""
     if id(model) not in _KV_BYTES:
-        cache = prefill_one(model, layers, [1, 1])
+        cache = prefill_one(model, check_batchable(model, alias), [1, 1])
         _KV_BYTES[id(model)] = sum(c.keys[..., :1, :].nbytes + c.values[..., :1, :].nbytes for c in cache)
     return _KV_BYTES[id(model)]
 

@@ -144,14 +144,11 @@ def _sizes_that_fit(target: LoadedModel, draft: LoadedModel, head: DraftHead, si
     grown by a step of entries past ``context``, and the widest forward's logits: some 6 GB at
     B = 64 for a 1.5B target in float32, several times that for an 11B one."""
     entries = context + max(BATCH_POSITIONS) + BatchKVCache.step
-    per_row = entries * (len(BATCH_POSITIONS) * _kv_bytes(target) + _kv_bytes(draft)) \
+    per_row = entries * (len(BATCH_POSITIONS) * batch_kv.kv_bytes_per_token(target.model, target.entry.alias)
+                         + batch_kv.kv_bytes_per_token(draft.model, draft.entry.alias)) \
         + 4 * max(BATCH_POSITIONS) * (vocabulary_size(target.model) + (head.size or vocabulary_size(draft.model)))
     budget = batch_kv.free_memory_bytes() * batch_kv.MEMORY_SHARE
     return [size for index, size in enumerate(sorted(sizes)) if not index or size * per_row <= budget]
-
-
-def _kv_bytes(loaded: LoadedModel) -> int:
-    return batch_kv.kv_bytes_per_token(loaded.model, batch_kv.check_batchable(loaded.model, loaded.entry.alias))
 
 
 def plain_step_s(loaded: LoadedModel, size: int, context: int = 64) -> float:
