@@ -8,6 +8,7 @@ from collections import Counter
 from types import SimpleNamespace
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from polspec.decoding import DecodingParams, batch_kv, generate
@@ -242,14 +243,18 @@ def test_a_prompt_repeated_in_a_batch_is_fed_once_and_each_of_its_rows_decodes_a
     when they first propose), and each row still decodes what the prompt gives alone: the
     repeated rows draft at different k, so their caches part after the first round."""
     fed: list[int] = []
-    prefill_one = batch_kv.prefill_one
+    prefill_one, prefill_left_padded = batch_kv.prefill_one, batch_kv._prefill_left_padded
 
-    def counted(model, layers, ids):
-        if ids:  # an empty draft row, made when a row joins, feeds nothing
-            fed.append(len(ids))
+    def counted_alone(model, layers, ids):
+        fed.append(len(ids))
         return prefill_one(model, layers, ids)
 
-    monkeypatch.setattr(batch_kv, "prefill_one", counted)
+    def counted_together(model, layers, prompts):
+        fed.extend(map(len, prompts))
+        return prefill_left_padded(model, layers, prompts)
+
+    monkeypatch.setattr(batch_kv, "prefill_one", counted_alone)
+    monkeypatch.setattr(batch_kv, "_prefill_left_padded", counted_together)
     rows = [(0, 1), (2, 2), (0, 2), (0, 3)]  # (prompt index, k)
     requests = [(PROMPTS[i], DecodingParams(max_tokens=max_tokens(i), k=k)) for i, k in rows]
     tokens: dict[int, list[int]] = {key: [] for key in range(len(rows))}
@@ -290,22 +295,84 @@ def test_a_row_feeds_the_draft_its_prompt_only_when_it_first_proposes(gemma3, sm
                                                          chat=False).token_ids, tokens[1])
 
 
+def test_prompts_fed_together_hold_what_each_holds_fed_alone(gemma3):
+    """prefill_groups: prompts within the padding share of each other share a forward, a longer
+    one is fed alone, a repeated one is fed once and copied; every row holds the keys and values
+    its prompt gets fed alone, its left padding aside (up to float rounding)."""
+    text = encode_prompt(gemma3, " ".join(PROMPTS), chat=False)
+    prompts = [text[:20], text[1:20], text[2:20], text[:20], text[:45]]  # 20, 19, 18 together; 45 alone
+    layers = batch_kv.check_batchable(gemma3.model, gemma3.entry.alias)
+    groups = list(batch_kv.prefill_groups(gemma3.model, layers, prompts))
+    assert sorted(sorted(rows) for rows, _, _ in groups) == [[0, 1, 2, 3], [4]]
+    for rows, cache, _ in groups:
+        for position, index in enumerate(rows):
+            alone = batch_kv.prefill_one(gemma3.model, layers, prompts[index])
+            length = len(prompts[index])
+            assert cache[0].offset.tolist()[position] == length
+            assert cache[0].left_padding.tolist()[position] + length == cache[0].size()
+            for fed, want in zip(cache, alone):
+                keys, values = (part[position, :, -length:] for part in fed.keys_and_values())
+                assert np.allclose(np.array(keys), np.array(want.keys[0, :, :want.offset]), atol=1e-3)
+                assert np.allclose(np.array(values), np.array(want.values[0, :, :want.offset]), atol=1e-3)
+
+
+# Prompts of (nearly) one length in both tokenizers, so that they are fed together.
+SIMILAR = ["Miasto Kraków leży nad Wisłą i jest", "Miasto Gdańsk leży nad morzem i jest",
+           "Miasto Poznań leży nad Wartą i jest", "Miasto Wrocław leży nad Odrą i jest"]
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_prompts_of_similar_length_are_fed_together_and_each_decodes_as_if_alone(gemma3, smollm2, speculative,
+                                                                                 monkeypatch):
+    """Rows joining at once are prefilled in one left-padded forward (the target's prompts when
+    they join, the draft's when they first propose), a repeated prompt once; each still decodes
+    what it gives alone."""
+    together: list[tuple[object, int]] = []  # (model, prompts) of each forward over several
+    prefill_left_padded = batch_kv._prefill_left_padded
+
+    def counted(model, layers, prompts):
+        together.append((model, len(prompts)))
+        return prefill_left_padded(model, layers, prompts)
+
+    monkeypatch.setattr(batch_kv, "_prefill_left_padded", counted)
+    prompts = SIMILAR + SIMILAR[:1]
+    params = DecodingParams(max_tokens=6, k=2)  # k is not read without a draft
+    tokens: dict[int, list[int]] = {key: [] for key in range(len(prompts))}
+    draft = smollm2 if speculative else None
+    for event in stream_batch(gemma3, draft, [(prompt, params) for prompt in prompts], max_batch=len(prompts), chat=False):
+        tokens[event.key] += event.commit.tokens if event.commit else []
+    assert (gemma3.model, len(SIMILAR)) in together
+    if speculative:
+        assert (smollm2.model, len(SIMILAR)) in together
+    for key, prompt in enumerate(prompts):
+        alone = generate(gemma3, None, prompt, DecodingParams(max_tokens=6), chat=False).token_ids
+        assert len(tokens[key]) == 6
+        assert_same_or_float_tie(gemma3, prompt, alone, tokens[key])
+
+
 def test_a_row_joining_pays_its_own_draft_prompt_feed_in_its_decode_time(gemma3, smollm2, monkeypatch):
     """The draft's feed of a joining row's prompt is that row's cost, as its target prefill is:
     the rows already decoding were charged it in their draft time (a long-lived row of a
     continuous batch paid for every row that joined, and its tokens/s read low). The decoder's
     clock is made to see each draft feed of a prompt take 1000 s, far above the rows' own
     rounds on any machine (a real 3 s sleep was not: on a slow VM a row's rounds took 3.3 s)."""
-    prefill_each, perf_counter, feed_s = batch_kv.prefill_each, time.perf_counter, 1000.0
-    skipped = [0.0]  # the seconds the decoder's clock has been moved on
+    perf_counter, feed_s = time.perf_counter, 1000.0
+    skipped = [0.0]  # the seconds the decoder's clocks have been moved on
+    prefill_one, prefill_left_padded = batch_kv.prefill_one, batch_kv._prefill_left_padded
 
-    def slow_for_the_draft(model, layers, prompts):
-        for single in prefill_each(model, layers, prompts):
-            skipped[0] += feed_s if model is smollm2.model else 0.0
-            yield single
+    def slow_alone(model, layers, ids):
+        skipped[0] += feed_s if model is smollm2.model else 0.0
+        return prefill_one(model, layers, ids)
 
-    monkeypatch.setattr(batch_kv, "prefill_each", slow_for_the_draft)
-    monkeypatch.setattr(batch_module, "time", SimpleNamespace(perf_counter=lambda: perf_counter() + skipped[0]))
+    def slow_together(model, layers, prompts):
+        skipped[0] += feed_s * len(prompts) if model is smollm2.model else 0.0
+        return prefill_left_padded(model, layers, prompts)
+
+    monkeypatch.setattr(batch_kv, "prefill_one", slow_alone)
+    monkeypatch.setattr(batch_kv, "_prefill_left_padded", slow_together)
+    clock = SimpleNamespace(perf_counter=lambda: perf_counter() + skipped[0])
+    monkeypatch.setattr(batch_module, "time", clock)
+    monkeypatch.setattr(batch_kv, "time", clock)
     decoder = BatchDecoder(gemma3, smollm2, max_batch=3)
     decoder.add(0, PROMPTS[0], DecodingParams(max_tokens=12, k=2), chat=False)
     metrics = {}

@@ -295,45 +295,43 @@ class BatchDecoder:
             joining.append(self.waiting.pop(0))
         if not joining:
             return
-        targets = []
-        fed = batch_kv.prefill_each(self.target.model, self.target_layers, [s.prompt[:-1] for s in joining])
-        clock = time.perf_counter()
-        for sequence, cache in zip(joining, fed):  # a prompt fed before costs its copy nothing
-            targets.append(cache)
-            sequence.pending = sequence.prompt[-1]
-            sequence.metrics.prefill_s = time.perf_counter() - clock
-            clock = time.perf_counter()
-        self.target_cache = batch_kv.join(self.target_cache, targets)
+        order: list[_Sequence] = []
+        for rows, cache, seconds in batch_kv.prefill_groups(self.target.model, self.target_layers,
+                                                            [s.prompt[:-1] for s in joining]):
+            for index in rows:  # a group's feed is its rows' own prefill, shared alike
+                joining[index].pending = joining[index].prompt[-1]
+                joining[index].metrics.prefill_s = seconds / len(rows)
+            order += [joining[index] for index in rows]
+            self.target_cache = batch_kv.extend(self.target_cache, cache)
         if self.draft is not None:
             # The draft's prompt is fed on the row's first proposal (:meth:`_warm`), not here: a
             # row that ``auto`` keeps plain never pays for it. Until then its draft row is empty.
-            empty = [batch_kv.prefill_one(self.draft.model, self.draft_layers, []) for _ in joining]
-            self.draft_cache = batch_kv.join(self.draft_cache, empty)
-        self.rows += joining
+            self.draft_cache = batch_kv.extend(self.draft_cache, batch_kv.empty_rows(self.draft_layers, len(order)))
+        self.rows += order
 
     def _warm(self, cold: list[int]) -> None:
-        """Feed the draft the text of rows about to propose for the first time, each text alone
-        (a batched catch-up would pad every row to the longest prompt) and once however many
-        rows share it; they move to the end of the batch, in both caches."""
+        """Feed the draft the text of rows about to propose for the first time, in groups of
+        similar length (:func:`~polspec.decoding.batch_kv.prefill_groups`: a catch-up over all
+        of them at once would pad every row to the longest prompt) and once however many rows
+        share it; they move to the end of the batch, in both caches."""
         texts = [self.rows[row].draft_text.sequence[:-1] for row in cold]
-        singles = []
-        clock = time.perf_counter()
-        for row, single in zip(cold, batch_kv.prefill_each(self.draft.model, self.draft_layers, texts)):
-            # Each feed is its row's own draft time, as a joining row's target prefill is its own:
-            # the rows beside it would otherwise pay for it in their decode time.
-            self.rows[row].metrics.draft_s += time.perf_counter() - clock
-            singles.append(single)
-            clock = time.perf_counter()
-        for row in cold:
-            sequence = self.rows[row]
-            text = sequence.draft_text
-            text.fed = sequence.draft_cached = len(text.sequence) - 1
-            sequence.draft_warm = True
         stay = [row for row in range(len(self.rows)) if row not in cold]
         if stay:
             batch_kv.keep_rows(self.draft_cache, stay)
-        self.draft_cache = batch_kv.join(self.draft_cache if stay else None, singles)
-        order = stay + cold
+        fed = self.draft_cache if stay else None
+        order = list(stay)
+        for rows, cache, seconds in batch_kv.prefill_groups(self.draft.model, self.draft_layers, texts):
+            for index in rows:
+                sequence = self.rows[cold[index]]
+                # Each feed is its rows' own draft time, as a joining row's target prefill is its
+                # own: the rows beside them would otherwise pay for it in their decode time.
+                sequence.metrics.draft_s += seconds / len(rows)
+                text = sequence.draft_text
+                text.fed = sequence.draft_cached = len(text.sequence) - 1
+                sequence.draft_warm = True
+            order += [cold[index] for index in rows]
+            fed = batch_kv.extend(fed, cache)
+        self.draft_cache = fed
         batch_kv.keep_rows(self.target_cache, order)
         self.rows = [self.rows[row] for row in order]
 

@@ -16,6 +16,7 @@ the keys a rotating cache would hold, and a plain cache can be trimmed at any le
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 
 from polspec import backend  # noqa: F401  (before mlx: the Linux BLAS fix)
@@ -24,7 +25,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache, dynamic_roll, make_prompt_cache
 
-from polspec.decoding.kv import prefill
+from polspec.cpu_share import share_cores
+from polspec.decoding.kv import PREFILL_STEP, prefill
 from polspec.errors import PolspecError
 
 # Memory a batch may plan to use, as a share of what is free when the decoder starts: the
@@ -51,24 +53,76 @@ def prefill_one(model: nn.Module, layers: int, ids: list[int]) -> list[KVCache]:
     return cache
 
 
-def prefill_each(model: nn.Module, layers: int, prompts: list[list[int]]) -> Iterator[list[KVCache]]:
-    """:func:`prefill_one` for each prompt in turn, yielded as it is ready; a prompt given
-    before (a sweep's repeats, a sampled request's seeds) is not fed again but yielded again,
-    since :func:`join` copies a cache into each row it makes."""
-    fed: dict[tuple[int, ...], list[KVCache]] = {}
-    for ids in prompts:
-        key = tuple(ids)
-        if key not in fed:
-            fed[key] = prefill_one(model, layers, ids)
-        yield fed[key]
+# Prompts fed in one forward: their tokens, padding included, at most one prefill chunk
+# (kv.PREFILL_STEP, so a forward holds no more memory than a long prompt's chunk does), and the
+# padding at most this share of their own tokens. Feeding several short prompts together is
+# 1.3x (60-90 tokens) to 1.8x (10-30 tokens) faster per prompt than one at a time (BENCHMARKS).
+PADDING_SHARE = 0.1
+
+
+def prefill_groups(model: nn.Module, layers: int,
+                   prompts: list[list[int]]) -> Iterator[tuple[list[int], list[BatchKVCache], float]]:
+    """The prompts fed to ``model`` in groups of similar length, each group yielded as it is
+    ready: the indices of the prompts its rows hold, in row order, its batch cache (left
+    padded, for :func:`extend`) and the seconds its feed took. A prompt given more than once (a
+    sweep's repeats, a sampled request's seeds) is fed once and its row copied. A prompt alone
+    in its group is fed as :func:`prefill_one` feeds it, so a row joining on its own decodes as
+    a single sequence would; rows fed together differ from that only by float rounding."""
+    copies: dict[tuple[int, ...], list[int]] = {}
+    for index, ids in enumerate(prompts):
+        copies.setdefault(tuple(ids), []).append(index)
+    for group in _similar_lengths(sorted(copies, key=len)):
+        clock = time.perf_counter()
+        if len(group) == 1:
+            cache = [BatchKVCache.merge([single]) for single in prefill_one(model, layers, list(group[0]))]
+        else:
+            cache = _prefill_left_padded(model, layers, [list(ids) for ids in group])
+        rows = [(position, index) for position, ids in enumerate(group) for index in copies[ids]]
+        if len(rows) > len(group):
+            keep_rows(cache, [position for position, _ in rows])
+        yield [index for _, index in rows], cache, time.perf_counter() - clock
+
+
+def _similar_lengths(by_length: list[tuple[int, ...]]) -> Iterator[list[tuple[int, ...]]]:
+    """Runs of the prompts (shortest first) that :data:`PADDING_SHARE` and one chunk allow together."""
+    group: list[tuple[int, ...]] = []
+    for ids in by_length:
+        together = group + [ids]
+        padded, own = len(together) * len(ids), sum(map(len, together))
+        if group and (padded > PREFILL_STEP or padded > (1 + PADDING_SHARE) * own):
+            yield group
+            together = [ids]
+        group = together
+    if group:
+        yield group
+
+
+def _prefill_left_padded(model: nn.Module, layers: int, prompts: list[list[int]]) -> list[BatchKVCache]:
+    """One forward over the prompts, left padded to the longest (the padding is masked)."""
+    longest = max(map(len, prompts))
+    padding = [longest - len(ids) for ids in prompts]
+    cache = [BatchKVCache(padding) for _ in range(layers)]
+    share_cores()
+    model(mx.array([[0] * pad + ids for pad, ids in zip(padding, prompts)]), cache=cache)
+    mx.eval([(c.keys, c.values) for c in cache])
+    return cache
+
+
+def empty_rows(layers: int, rows: int) -> list[BatchKVCache]:
+    """A batch cache of ``rows`` rows that hold nothing yet, for :func:`extend`."""
+    return [BatchKVCache([0] * rows) for _ in range(layers)]
 
 
 def join(batch: list[BatchKVCache] | None, singles: list[list[KVCache]]) -> list[BatchKVCache]:
     """``batch`` with the single-sequence caches appended as new rows (a new batch when None)."""
-    merged = [BatchKVCache.merge([single[layer] for single in singles]) for layer in range(len(singles[0]))]
+    return extend(batch, [BatchKVCache.merge([single[layer] for single in singles]) for layer in range(len(singles[0]))])
+
+
+def extend(batch: list[BatchKVCache] | None, rows: list[BatchKVCache]) -> list[BatchKVCache]:
+    """``batch`` with the rows of another batch cache appended (``rows`` itself when None)."""
     if batch is None:
-        return merged
-    for mine, theirs in zip(batch, merged):
+        return rows
+    for mine, theirs in zip(batch, rows):
         mine.extend(theirs)
     return batch
 
