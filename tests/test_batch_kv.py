@@ -42,3 +42,20 @@ def test_rows_that_keep_different_runs_keep_their_entries_and_no_padding_piles_u
         for row, want in enumerate(expected):
             assert np.array_equal(keys[row, :, padding[row]:], want) and np.array_equal(values[row, :, padding[row]:], -want)
     assert max(lengths) > 300  # long past the cut, many times over
+
+
+def test_prompts_are_grouped_by_length_within_the_padding_share_and_one_chunk():
+    """Sorted prompts run together while the group's padding stays within PADDING_SHARE of its
+    tokens and its padded tokens within one prefill chunk; an empty prompt and one longer than a
+    chunk go alone."""
+    def lengths(*sizes: int) -> list[list[int]]:
+        groups = batch_kv._similar_lengths([(1,) * size for size in sorted(sizes)])
+        return [[len(ids) for ids in group] for group in groups]
+
+    assert lengths(18, 19, 20, 45) == [[18, 19, 20], [45]]  # 45 beside them: 180 padded for 102
+    assert lengths(0, 5) == [[0], [5]]
+    assert lengths(10, 11) == [[10, 11]]  # 22 padded for 21 tokens
+    assert lengths(10, 12) == [[10, 12]]  # 24 for 22: within 10%
+    assert lengths(10, 13) == [[10], [13]]  # 26 for 23: over
+    assert lengths(*[100] * 6) == [[100] * 5, [100]]  # 600 tokens would be over one chunk
+    assert lengths(600, 600) == [[600], [600]]  # over a chunk alone: fed in chunks, as ever

@@ -220,7 +220,7 @@ def test_the_draft_warm_up_is_costed_from_the_measured_feed_in_steps_of_the_batc
     probe = Probe("t", "d", c=0.2, rho=(1.0,) * 9, tau=0.0, target_step_s=0.10, draft_step_s=0.02, batch=table,
                   draft_feed_s=0.002)
     assert probe.draft_feed_steps(50, 1) == pytest.approx(50 * 0.002 / 0.10)  # 2 ms a token, in steps of 0.1 s
-    assert probe.draft_feed_steps(50, 2) == pytest.approx(50 * 0.002 / 0.12)  # a row's text is fed alone
+    assert probe.draft_feed_steps(50, 2) == pytest.approx(50 * 0.002 / 0.12)  # priced as one text fed alone
     assert probe.draft_feed_steps(50, 4) == pytest.approx(50 * 0.002 / 0.20)
     assert Probe.from_dict(probe.as_dict()) == probe
     assert flat(0.2).draft_feed_steps(50, 4) == 0.0  # a probe made without it (tests, replays)

@@ -55,8 +55,8 @@ def prefill_one(model: nn.Module, layers: int, ids: list[int]) -> list[KVCache]:
 
 # Prompts fed in one forward: their tokens, padding included, at most one prefill chunk
 # (kv.PREFILL_STEP, so a forward holds no more memory than a long prompt's chunk does), and the
-# padding at most this share of their own tokens. Feeding several short prompts together is
-# 1.3x (60-90 tokens) to 1.8x (10-30 tokens) faster per prompt than one at a time (BENCHMARKS).
+# padding at most this share of their own tokens. Feeding prompts together is 1.2-1.3x (60-120
+# tokens) to 1.8-2.4x (6-19 tokens) faster per prompt than one at a time (BENCHMARKS).
 PADDING_SHARE = 0.1
 
 
@@ -80,6 +80,7 @@ def prefill_groups(model: nn.Module, layers: int,
         rows = [(position, index) for position, ids in enumerate(group) for index in copies[ids]]
         if len(rows) > len(group):
             keep_rows(cache, [position for position, _ in rows])
+        mx.eval([(c.keys, c.values) for c in cache if c.keys is not None])  # merging and copying count in its time
         yield [index for _, index in rows], cache, time.perf_counter() - clock
 
 
@@ -104,7 +105,6 @@ def _prefill_left_padded(model: nn.Module, layers: int, prompts: list[list[int]]
     cache = [BatchKVCache(padding) for _ in range(layers)]
     share_cores()
     model(mx.array([[0] * pad + ids for pad, ids in zip(padding, prompts)]), cache=cache)
-    mx.eval([(c.keys, c.values) for c in cache])
     return cache
 
 

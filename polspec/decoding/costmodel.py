@@ -106,10 +106,11 @@ class Probe:
     def draft_feed_steps(self, tokens: int, size: int) -> float:
         """Estimated cost of the draft taking in ``tokens`` tokens of text, as a row's first
         proposal feeds it the row's prompt, in plain steps of a batch of ``size``: the feed
-        time per token the probe measured (a joining row's prompt is fed alone at every batch
-        size; a plain stretch rides along the batch's first draft step, where this is a
-        rough price). For a probe as measured, not one :meth:`at_batch` made; 0 for one made
-        without it."""
+        time per token the probe measured for one prompt fed alone, at every batch size (rows
+        that first propose together are fed in groups, 1.2-2.4x cheaper a token, so this is an
+        upper bound there; a plain stretch rides along the batch's first draft step, where this
+        is a rough price). For a probe as measured, not one :meth:`at_batch` made; 0 for one
+        made without it."""
         if not self.draft_feed_s:
             return 0.0
         return tokens * self.draft_feed_s / self.at_batch(size).target_step_s
