@@ -295,19 +295,16 @@ class BatchDecoder:
             joining.append(self.waiting.pop(0))
         if not joining:
             return
-        order: list[_Sequence] = []
-        for rows, cache, seconds in batch_kv.prefill_groups(self.target.model, self.target_layers,
-                                                            [s.prompt[:-1] for s in joining]):
-            for index in rows:  # a group's feed is its rows' own prefill, shared alike
-                joining[index].pending = joining[index].prompt[-1]
-                joining[index].metrics.prefill_s = seconds / len(rows)
-            order += [joining[index] for index in rows]
-            self.target_cache = batch_kv.extend(self.target_cache, cache)
+        self.target_cache, order, seconds = batch_kv.append_prompts(
+            self.target_cache, self.target.model, self.target_layers, [s.prompt[:-1] for s in joining])
+        for index, share in zip(order, seconds):
+            joining[index].pending = joining[index].prompt[-1]
+            joining[index].metrics.prefill_s = share
         if self.draft is not None:
             # The draft's prompt is fed on the row's first proposal (:meth:`_warm`), not here: a
             # row that ``auto`` keeps plain never pays for it. Until then its draft row is empty.
             self.draft_cache = batch_kv.extend(self.draft_cache, batch_kv.empty_rows(self.draft_layers, len(order)))
-        self.rows += order
+        self.rows += [joining[index] for index in order]
 
     def _warm(self, cold: list[int]) -> None:
         """Feed the draft the text of rows about to propose for the first time, in groups of
@@ -318,20 +315,17 @@ class BatchDecoder:
         stay = [row for row in range(len(self.rows)) if row not in cold]
         if stay:
             batch_kv.keep_rows(self.draft_cache, stay)
-        fed = self.draft_cache if stay else None
-        order = list(stay)
-        for rows, cache, seconds in batch_kv.prefill_groups(self.draft.model, self.draft_layers, texts):
-            for index in rows:
-                sequence = self.rows[cold[index]]
-                # Each feed is its rows' own draft time, as a joining row's target prefill is its
-                # own: the rows beside them would otherwise pay for it in their decode time.
-                sequence.metrics.draft_s += seconds / len(rows)
-                text = sequence.draft_text
-                text.fed = sequence.draft_cached = len(text.sequence) - 1
-                sequence.draft_warm = True
-            order += [cold[index] for index in rows]
-            fed = batch_kv.extend(fed, cache)
-        self.draft_cache = fed
+        self.draft_cache, warmed, seconds = batch_kv.append_prompts(
+            self.draft_cache if stay else None, self.draft.model, self.draft_layers, texts)
+        for index, share in zip(warmed, seconds):
+            sequence = self.rows[cold[index]]
+            # Each feed is its row's own draft time, as a joining row's target prefill is its
+            # own: the rows beside it would otherwise pay for it in their decode time.
+            sequence.metrics.draft_s += share
+            text = sequence.draft_text
+            text.fed = sequence.draft_cached = len(text.sequence) - 1
+            sequence.draft_warm = True
+        order = stay + [cold[index] for index in warmed]
         batch_kv.keep_rows(self.target_cache, order)
         self.rows = [self.rows[row] for row in order]
 

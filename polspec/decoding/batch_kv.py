@@ -84,6 +84,20 @@ def prefill_groups(model: nn.Module, layers: int,
         yield [index for _, index in rows], cache, time.perf_counter() - clock
 
 
+def append_prompts(batch: list[BatchKVCache] | None, model: nn.Module, layers: int,
+                   prompts: list[list[int]]) -> tuple[list[BatchKVCache], list[int], list[float]]:
+    """``batch`` (a new one when None) with a row for each prompt appended, fed by
+    :func:`prefill_groups`: the batch, the prompts' indices in the order of the new rows, and
+    each new row's share of its group's feed time (its own prefill time)."""
+    order: list[int] = []
+    shares: list[float] = []
+    for rows, cache, seconds in prefill_groups(model, layers, prompts):
+        order += rows
+        shares += [seconds / len(rows)] * len(rows)
+        batch = extend(batch, cache)
+    return batch, order, shares
+
+
 def _similar_lengths(by_length: list[tuple[int, ...]]) -> Iterator[list[tuple[int, ...]]]:
     """Runs of the prompts (shortest first) that :data:`PADDING_SHARE` and one chunk allow together."""
     group: list[tuple[int, ...]] = []
